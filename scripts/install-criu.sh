@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Provision CRIU >= 4.2 for torpor without touching the machine's apt configuration.
+#
+# Debian 12's criu 3.17 and Debian 13's 4.1.1 do not work on this kernel (see DESIGN.md), so unless a
+# `criu` on PATH is new enough and passes `criu check`, this downloads criu and the libraries it needs
+# from Debian unstable/trixie with a private apt sources list, unpacks them into one folder and writes a
+# wrapper that starts criu through that folder's own dynamic loader.
+#
+# usage: install-criu.sh PREFIX      (the wrapper lands in PREFIX/bin/criu, the files in PREFIX/criu-root)
+set -euo pipefail
+
+prefix=${1:?usage: install-criu.sh PREFIX}
+mkdir -p "$prefix/bin"
+prefix=$(cd "$prefix" && pwd)
+wrapper="$prefix/bin/criu"
+root="$prefix/criu-root"
+min_major=4 min_minor=2
+
+version_ok() {  # version_ok CRIU_COMMAND...
+    local v
+    v=$("$@" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
+    [ -n "$v" ] || return 1
+    local major=${v%%.*} rest=${v#*.}
+    local minor=${rest%%.*}
+    [ "$major" -gt "$min_major" ] || { [ "$major" -eq "$min_major" ] && [ "$minor" -ge "$min_minor" ]; }
+}
+
+usable() { version_ok "$@" && "$@" check >/dev/null 2>&1; }
+
+if [ -x "$wrapper" ] && usable "$wrapper"; then
+    echo "criu: $("$wrapper" --version | sed -n 's/^Version: *//p') already installed at $wrapper"
+    exit 0
+fi
+
+system_criu=$(PATH=/usr/local/sbin:/usr/sbin:/sbin:$PATH command -v criu || true)
+if [ -n "$system_criu" ] && [ "$system_criu" != "$wrapper" ] && usable "$system_criu"; then
+    ln -sf "$system_criu" "$wrapper"
+    echo "criu: using $system_criu ($("$system_criu" --version | sed -n 's/^Version: *//p'))"
+    exit 0
+fi
+
+echo "criu: installing a private CRIU >= $min_major.$min_minor from Debian unstable into $root"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/lists/partial" "$work/archives/partial" "$work/debs"
+keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+cat >"$work/sources.list" <<LIST
+deb [signed-by=$keyring] http://deb.debian.org/debian sid main
+deb [signed-by=$keyring] http://deb.debian.org/debian trixie main
+LIST
+# Pin sid for criu and its own libraries, trixie for the rest (matching what was tested here).
+cat >"$work/preferences" <<PREF
+Package: *
+Pin: release n=trixie
+Pin-Priority: 600
+
+Package: criu libcompel1 libnet9 libnl-3-200
+Pin: release n=sid
+Pin-Priority: 700
+PREF
+apt_opts=(
+    -o "Dir::Etc::SourceList=$work/sources.list"
+    -o "Dir::Etc::SourceParts=/dev/null"
+    -o "Dir::Etc::Preferences=$work/preferences"
+    -o "Dir::Etc::PreferencesParts=/dev/null"
+    -o "Dir::State::Lists=$work/lists"
+    -o "Dir::Cache::Archives=$work/archives"
+    -o "Dir::Cache::pkgcache="
+    -o "Dir::Cache::srcpkgcache="
+    -o "APT::Architecture=amd64"
+    -o "Debug::NoLocking=1"
+    -q
+)
+apt-get "${apt_opts[@]}" update >"$work/update.log" 2>&1 || { cat "$work/update.log" >&2; exit 1; }
+packages=(criu libcompel1 libnet9 libnl-3-200
+    libc6 libgnutls30t64 libnftables1 libnettle8t64 libhogweed6t64 libp11-kit0 libunistring5
+    libidn2-0 libtasn1-6 libgmp10 libzstd1 libprotobuf-c1 libbsd0 libuuid1 libmd0 libjansson4 libmnl0
+    libnftnl11 libxtables12 libedit2 libtinfo6 libbz2-1.0 libgcc-s1 libffi8)
+(cd "$work/debs" && apt-get "${apt_opts[@]}" download "${packages[@]}") >"$work/download.log" 2>&1 \
+    || { cat "$work/download.log" >&2; exit 1; }
+rm -rf "$root.new"
+mkdir -p "$root.new"
+for deb in "$work"/debs/*.deb; do dpkg -x "$deb" "$root.new"; done
+rm -rf "$root"
+mv "$root.new" "$root"
+
+cat >"$wrapper.new" <<WRAP
+#!/bin/sh
+# criu from a private folder, started through that folder's own loader (written by install-criu.sh)
+R="$root"
+exec "\$R/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" \\
+    --library-path "\$R/usr/lib/x86_64-linux-gnu:\$R/lib/x86_64-linux-gnu" "\$R/usr/sbin/criu" "\$@"
+WRAP
+chmod +x "$wrapper.new"
+mv "$wrapper.new" "$wrapper"
+
+if ! usable "$wrapper"; then
+    echo "criu: the private copy does not pass 'criu check' on this machine:" >&2
+    "$wrapper" check >&2 || true
+    exit 1
+fi
+echo "criu: $("$wrapper" --version | sed -n 's/^Version: *//p') installed at $wrapper"

@@ -1,0 +1,282 @@
+"""The one typed seam to the ``criu`` binary.
+
+Every CRIU run goes through :class:`Criu`. A failed run raises a torpor error that carries the CRIU log
+lines explaining it (not just "exit status 1"); the options that make dumps work on these machines
+(TCP connections kept with the nftables network lock, file locks, large ghost files) live here, so the
+engine only says *what* to dump and where.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from torpor.errors import (
+    CheckpointFailed,
+    CriuUnavailable,
+    JobExited,
+    RestoreFailed,
+    StorageFull,
+)
+
+MIN_VERSION = (4, 2)
+
+#: options used for every dump and restore of a job (see DESIGN.md: iptables is missing here, nftables works)
+COMMON_OPTIONS: tuple[str, ...] = (
+    "--tcp-established",
+    "--network-lock",
+    "nftables",
+    "--file-locks",
+)
+#: deleted files still open or mapped (e.g. DataLoader shared memory in /dev/shm) are kept up to this size
+GHOST_LIMIT = "1G"
+
+# Lines CRIU prints on every run here that explain nothing (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
+_NOISE = re.compile(r"RLIMIT_NOFILE")
+_ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """What CRIU measured during a dump (from its ``stats-dump`` image), in seconds and pages."""
+
+    freezing_s: float
+    frozen_s: float
+    memdump_s: float
+    memwrite_s: float
+    pages_written: int
+
+
+@dataclass(frozen=True)
+class CriuInfo:
+    path: Path
+    version: str
+    version_tuple: tuple[int, ...]
+
+
+def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
+    """The CRIU log lines that explain a failure: its errors, or failing that, its last lines."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    lines = [line for line in lines if not _NOISE.search(line)]
+    errors = [line.strip() for line in lines if _ERROR_LINE.search(line)]
+    chosen = errors if errors else [line.strip() for line in lines[-limit:]]
+    return chosen[-limit:]
+
+
+class Criu:
+    """A criu binary, checked to be new enough before it is used."""
+
+    def __init__(self, path: Path | None) -> None:
+        if path is None:
+            raise CriuUnavailable(
+                "criu was not found: run 'make setup' (it installs CRIU >= 4.2 into .venv/bin) "
+                "or set TORPOR_CRIU to a criu binary"
+            )
+        self.path = path
+        self._info: CriuInfo | None = None
+
+    # -- inspection -------------------------------------------------------------------------------
+
+    def _run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(
+                [str(self.path), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
+        except FileNotFoundError as exc:
+            raise CriuUnavailable(f"criu not found at {self.path}: run 'make setup'") from exc
+        except PermissionError as exc:
+            raise CriuUnavailable(f"criu at {self.path} is not executable") from exc
+
+    def info(self) -> CriuInfo:
+        """Version of this criu; raises :class:`CriuUnavailable` if it is older than 4.2."""
+        if self._info is None:
+            out = self._run(["--version"])
+            match = re.search(r"Version:\s*([0-9][0-9.]*)", out.stdout)
+            if out.returncode != 0 or not match:
+                raise CriuUnavailable(
+                    f"{self.path} --version failed: {(out.stderr or out.stdout).strip()[:200]}"
+                )
+            version = match.group(1)
+            parts = tuple(int(p) for p in version.split(".") if p.isdigit())
+            self._info = CriuInfo(self.path, version, parts)
+        return self._info
+
+    def require(self) -> CriuInfo:
+        info = self.info()
+        if info.version_tuple[:2] < MIN_VERSION:
+            raise CriuUnavailable(
+                f"criu {info.version} at {info.path} is too old: torpor needs >= "
+                f"{'.'.join(map(str, MIN_VERSION))} on this kernel (run 'make setup' to install one)"
+            )
+        return info
+
+    def check(self) -> tuple[bool, str]:
+        """``criu check``: (passed, what it said)."""
+        out = self._run(["check"])
+        text = "\n".join(line for line in (out.stdout + out.stderr).splitlines() if not _NOISE.search(line))
+        return out.returncode == 0, text.strip()
+
+    def has_feature(self, feature: str) -> bool:
+        """``criu check --feature NAME`` (e.g. ``mem_dirty_track``, ``uffd-noncoop``)."""
+        return self._run(["check", "--feature", feature]).returncode == 0
+
+    # -- dump and restore -----------------------------------------------------------------------
+
+    def dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        log_path: Path,
+        *,
+        leave_running: bool,
+        extra: tuple[str, ...] = (),
+    ) -> DumpStats:
+        """Dump the process tree rooted at ``pid`` into ``images_dir``.
+
+        CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1).
+        """
+        self.require()
+        args = [
+            "dump",
+            "--tree",
+            str(pid),
+            "--images-dir",
+            str(images_dir),
+            "--log-file",
+            str(log_path),
+            "-v4",
+            *COMMON_OPTIONS,
+            "--ghost-limit",
+            GHOST_LIMIT,
+            *extra,
+        ]
+        if leave_running:
+            args.append("--leave-running")
+        out = self._run(args, timeout=3600)
+        if out.returncode != 0:
+            details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
+            text = "\n".join(details)
+            if "No space left on device" in text or "ENOSPC" in text:
+                raise StorageFull(
+                    f"no space left while dumping into {images_dir}: free space or move TORPOR_HOME",
+                    details=details,
+                )
+            if not Path(f"/proc/{pid}").exists():
+                raise JobExited("the job exited while it was being checkpointed", details=details)
+            raise CheckpointFailed(
+                f"criu dump failed (exit status {out.returncode}); the job was left running",
+                details=details,
+            )
+        return read_dump_stats(images_dir)
+
+    def restore(
+        self,
+        images_dir: Path,
+        log_path: Path,
+        pidfile: Path,
+        *,
+        extra: tuple[str, ...] = (),
+    ) -> int:
+        """Restore a tree detached (``-d``) and return its root's pid.
+
+        The restored root is re-parented to the nearest subreaper above criu: the caller's launcher.
+        """
+        self.require()
+        args = [
+            "restore",
+            "--images-dir",
+            str(images_dir),
+            "--log-file",
+            str(log_path),
+            "-v4",
+            "--restore-detached",
+            "--pidfile",
+            str(pidfile),
+            *COMMON_OPTIONS,
+            *extra,
+        ]
+        out = self._run(args, timeout=3600)
+        if out.returncode != 0:
+            details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
+            raise RestoreFailed(f"criu restore failed (exit status {out.returncode})", details=details)
+        try:
+            return int(pidfile.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise RestoreFailed(f"criu restore wrote no pid to {pidfile}") from exc
+
+
+# -- the stats-dump image ---------------------------------------------------------------------------
+#
+# A CRIU image is: u32 magic, u32 image magic, then records of u32 size + protobuf message. We read the
+# one StatsEntry by hand rather than depend on CRIU's Python bindings (not packaged for this setup).
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> dict[int, int | bytes]:
+    """Decode one protobuf message into {field number: value} (last value wins; enough for stats)."""
+    out: dict[int, int | bytes] = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            out[number], pos = _varint(buf, pos)
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            out[number] = buf[pos : pos + length]
+            pos += length
+        elif wire == 1:
+            out[number] = int.from_bytes(buf[pos : pos + 8], "little")
+            pos += 8
+        elif wire == 5:
+            out[number] = int.from_bytes(buf[pos : pos + 4], "little")
+            pos += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+    return out
+
+
+def read_dump_stats(images_dir: Path) -> DumpStats:
+    """Parse ``stats-dump``; zeros when CRIU wrote none (never fail a good dump over statistics)."""
+    try:
+        raw = (images_dir / "stats-dump").read_bytes()
+        size = int.from_bytes(raw[8:12], "little")
+        entry = _fields(raw[12 : 12 + size])
+        dump = entry.get(1)
+        fields = _fields(dump) if isinstance(dump, bytes) else {}
+    except (OSError, ValueError, IndexError):
+        fields = {}
+
+    def usec(number: int) -> float:
+        value = fields.get(number, 0)
+        return value / 1e6 if isinstance(value, int) else 0.0
+
+    pages = fields.get(7, 0)
+    return DumpStats(
+        freezing_s=usec(1),
+        frozen_s=usec(2),
+        memdump_s=usec(3),
+        memwrite_s=usec(4),
+        pages_written=pages if isinstance(pages, int) else 0,
+    )
+

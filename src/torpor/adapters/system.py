@@ -1,0 +1,174 @@
+"""The running system as torpor sees it: processes in /proc, PID namespaces, kernel features.
+
+Also the two raw system calls the launcher needs that Python 3.11 lacks: ``unshare(CLONE_NEWPID)`` and
+``prctl(PR_SET_CHILD_SUBREAPER)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CLONE_NEWPID = 0x20000000
+PR_SET_CHILD_SUBREAPER = 36
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare_pid_namespace() -> None:
+    """The caller's next child becomes PID 1 of a new PID namespace."""
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (e.g. a tree restored by ``criu restore -d``) are re-parented to us."""
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+# -- processes ----------------------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter state (R, S, D, T, t, Z, …) or None if there is no such process."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time in clock ticks since boot: with the pid, identifies one process across pid reuse."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def is_alive(pid: int) -> bool:
+    state = process_state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+def pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def namespace_members(root_pid: int) -> list[int]:
+    """All processes in the PID namespace whose init is ``root_pid`` (the whole job)."""
+    namespace = pid_namespace(root_pid)
+    if namespace is None:
+        return []
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and pid_namespace(int(entry)) == namespace:
+            members.append(int(entry))
+    return sorted(members)
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        total += resident * _PAGE
+    return total
+
+
+def resume_stopped(pids: list[int]) -> list[int]:
+    """Send SIGCONT to any of ``pids`` left stopped; returns those it woke (the safety net of invariant 1)."""
+    woken = []
+    for pid in pids:
+        if process_state(pid) in ("T", "t"):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                woken.append(pid)
+            except ProcessLookupError:
+                pass
+    return woken
+
+
+def wait_gone(pid: int, ticks: int | None, timeout: float) -> bool:
+    """Wait until process ``pid`` (started at ``ticks``, if known) no longer exists."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = start_ticks(pid)
+        state = process_state(pid)
+        if current is None or state in ("Z", "X") or (ticks is not None and current != ticks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def uses_device(pids: list[int], prefix: str) -> bool:
+    """Whether any of ``pids`` has a file under ``prefix`` open or mapped (e.g. ``/dev/nvidia``)."""
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                        return True
+                except OSError:
+                    continue
+            with open(f"/proc/{pid}/maps") as maps:
+                if any(prefix in line for line in maps):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+# -- kernel features (for `torpor doctor`) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelFeatures:
+    kernel: str
+    cgroups: str
+    psi: bool
+    userfaultfd: bool
+
+
+def kernel_features() -> KernelFeatures:
+    cgroup2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    has_v1 = Path("/sys/fs/cgroup/memory").is_dir()
+    unified = Path("/sys/fs/cgroup/unified").is_dir()
+    if cgroup2:
+        cgroups = "v2"
+    elif has_v1 and unified:
+        cgroups = "v1 hybrid (memory controller on v1)"
+    elif has_v1:
+        cgroups = "v1"
+    else:
+        cgroups = "none found"
+    return KernelFeatures(
+        kernel=os.uname().release,
+        cgroups=cgroups,
+        psi=Path("/proc/pressure/memory").exists(),
+        userfaultfd=Path("/proc/sys/vm/unprivileged_userfaultfd").exists() or Path("/dev/userfaultfd").exists(),
+    )
+
+
+def disk_free(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize

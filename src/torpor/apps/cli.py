@@ -1,0 +1,393 @@
+"""The ``torpor`` command line: parse, call the engine, render a table or JSON. Nothing else.
+
+Errors torpor expects are printed as one line (plus the lines that explain them, e.g. CRIU's log) and
+exit with the error's code; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from torpor import __version__
+from torpor.adapters import gpu, system
+from torpor.adapters.criu import Criu
+from torpor.core.engine import Engine, JobStatus
+from torpor.core.records import Checkpoint
+from torpor.errors import TorporError
+from torpor.settings import Settings
+
+# -- rendering -------------------------------------------------------------------------------------------
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _status_dict(status: JobStatus) -> dict[str, Any]:
+    job = status.job
+    data: dict[str, Any] = asdict(job)
+    data["state"] = str(job.state)
+    data["rss_bytes"] = status.rss_bytes
+    data["last_checkpoint"] = asdict(status.last_checkpoint) if status.last_checkpoint else None
+    return data
+
+
+def _emit_json(data: object) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    def show(text: str) -> None:
+        if not args.quiet:
+            print(f"  … {text}", file=sys.stderr, flush=True)
+
+    return show
+
+
+# -- commands ---------------------------------------------------------------------------------------------
+
+
+def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    job = engine.run(args.name, command, os.getcwd())
+    if args.json:
+        _emit_json(_status_dict(engine.status(job.name)))
+    else:
+        print(f"started job '{job.name}' (pid {job.pid}); output: torpor logs {job.name}")
+    return 0
+
+
+def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
+    statuses = engine.statuses()
+    if args.json:
+        _emit_json([_status_dict(s) for s in statuses])
+        return 0
+    now = time.time()
+    rows = []
+    for status in statuses:
+        job = status.job
+        state = str(job.state)
+        if job.exit_code is not None and job.state in ("exited", "failed"):
+            state += f" ({job.exit_code})"
+        last = status.last_checkpoint
+        rows.append(
+            [
+                job.name,
+                state,
+                str(job.pid) if job.pid else "-",
+                human_bytes(status.rss_bytes),
+                human_age(now - job.created_at),
+                f"{last.id} ({human_age(now - last.created_at)} ago)" if last else "-",
+            ]
+        )
+    print(table(["NAME", "STATE", "PID", "RSS", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
+    return 0
+
+
+def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
+    path = engine.log_path(args.name)
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - kept open while following
+    except FileNotFoundError:
+        return 0
+    with handle:
+        if args.tail is not None:
+            lines = handle.read().splitlines(keepends=True)[-args.tail :]
+            sys.stdout.buffer.write(b"".join(lines))
+        else:
+            while chunk := handle.read(1 << 16):
+                sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        while args.follow:
+            chunk = handle.read(1 << 16)
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                continue
+            if engine.status(args.name).job.state not in ("starting", "running", "checkpointing", "restoring"):
+                break
+            time.sleep(0.2)
+    return 0
+
+
+def _checkpoint_line(verb: str, checkpoint: Checkpoint) -> str:
+    return (
+        f"{verb} {checkpoint.job} as {checkpoint.id}: frozen {checkpoint.freeze_s:.3f} s, "
+        f"image {human_bytes(checkpoint.size_bytes)}, total {checkpoint.total_s:.2f} s"
+    )
+
+
+def cmd_checkpoint(engine: Engine, args: argparse.Namespace) -> int:
+    checkpoint = engine.checkpoint(args.name, hibernate=False, progress=_progress(args))
+    if args.json:
+        _emit_json(asdict(checkpoint))
+    else:
+        print(_checkpoint_line("checkpointed", checkpoint))
+    return 0
+
+
+def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
+    before = engine.status(args.name).rss_bytes
+    checkpoint = engine.checkpoint(args.name, hibernate=True, progress=_progress(args))
+    if args.json:
+        _emit_json({**asdict(checkpoint), "freed_rss_bytes": before})
+    else:
+        print(_checkpoint_line("hibernated", checkpoint) + f"; freed {human_bytes(before)} of memory")
+    return 0
+
+
+def _restore(engine: Engine, args: argparse.Namespace, ref: str | None) -> int:
+    job, checkpoint, seconds = engine.restore(args.name, ref, force=args.force, progress=_progress(args))
+    if args.json:
+        _emit_json({"job": job.name, "pid": job.pid, "checkpoint": checkpoint.id, "restore_s": seconds})
+    else:
+        print(f"restored {job.name} from {checkpoint.id} in {seconds:.2f} s (pid {job.pid})")
+    return 0
+
+
+def cmd_resume(engine: Engine, args: argparse.Namespace) -> int:
+    return _restore(engine, args, None)
+
+
+def cmd_restore(engine: Engine, args: argparse.Namespace) -> int:
+    return _restore(engine, args, args.from_)
+
+
+def cmd_checkpoints(engine: Engine, args: argparse.Namespace) -> int:
+    checkpoints = engine.checkpoints(args.name)
+    if args.json:
+        _emit_json([asdict(c) for c in checkpoints])
+        return 0
+    rows = [
+        [
+            c.id,
+            c.job,
+            c.kind,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_at)),
+            human_bytes(c.size_bytes),
+            f"{c.freeze_s:.3f} s",
+            f"{c.total_s:.2f} s",
+        ]
+        for c in checkpoints
+    ]
+    headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "FROZEN", "TOTAL"]
+    print(table(headers, rows) if rows else "no checkpoints")
+    return 0
+
+
+def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
+    job = engine.stop(args.name, grace_s=args.timeout)
+    if args.json:
+        _emit_json(_status_dict(engine.status(job.name)))
+    else:
+        print(f"stopped {job.name}: {job.state}" + (f" ({job.message})" if job.message else ""))
+    return 0
+
+
+def cmd_rm(engine: Engine, args: argparse.Namespace) -> int:
+    removed = engine.remove(args.name, force=args.force)
+    if args.json:
+        _emit_json({"job": args.name, "removed_checkpoints": removed})
+    else:
+        print(f"removed {args.name} and {len(removed)} checkpoint(s)")
+    return 0
+
+
+def doctor_report(settings: Settings) -> dict[str, Any]:
+    """What works on this machine; every check is independent, so one failure does not hide the rest."""
+    report: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
+    criu: dict[str, Any] = {"path": str(settings.criu) if settings.criu else None}
+    try:
+        tool = Criu(settings.criu)
+        info = tool.require()
+        ok, said = tool.check()
+        criu.update(
+            version=info.version,
+            check_ok=ok,
+            check=said,
+            dirty_tracking=tool.has_feature("mem_dirty_track"),
+            lazy_pages=tool.has_feature("uffd-noncoop"),
+            nftables_lock=tool.has_feature("nftables"),
+        )
+    except TorporError as exc:
+        criu.update(check_ok=False, error=exc.message)
+    report["criu"] = criu
+    kernel = system.kernel_features()
+    report["kernel"] = asdict(kernel)
+    report["gpu_driver"] = gpu.driver_version()
+    report["gpu_checkpoint"] = "not supported yet (CPU jobs only)"
+    home_ok = os.access(settings.home, os.W_OK) if settings.home.exists() else os.access(
+        _existing_parent(settings.home), os.W_OK
+    )
+    report["home_writable"] = home_ok
+    if settings.home.exists():
+        report["home_free_bytes"] = system.disk_free(settings.home)
+    report["ok"] = bool(criu.get("check_ok")) and home_ok
+    return report
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
+    report = doctor_report(settings)
+    if args.json:
+        _emit_json(report)
+        return 0 if report["ok"] else 3
+    criu = report["criu"]
+
+    def mark(ok: object) -> str:
+        return "ok " if ok else "-- "
+
+    print(f"torpor {report['torpor']}, state in {report['home']}")
+    if criu.get("version"):
+        print(f"{mark(criu['check_ok'])} criu {criu['version']} at {criu['path']}: {criu['check'].splitlines()[-1] if criu['check'] else ''}")
+        print(f"{mark(criu['dirty_tracking'])} memory dirty tracking (pre-dump, incremental freeze): "
+              f"{'yes' if criu['dirty_tracking'] else 'no (kernel lacks soft-dirty; full dumps only)'}")
+        print(f"{mark(criu['lazy_pages'])} userfaultfd lazy pages: {'yes' if criu['lazy_pages'] else 'no'}")
+        print(f"{mark(criu['nftables_lock'])} nftables network lock (keeps TCP connections): "
+              f"{'yes' if criu['nftables_lock'] else 'no'}")
+    else:
+        print(f"--  criu: {criu.get('error')}")
+    kernel = report["kernel"]
+    print(f"ok  kernel {kernel['kernel']}; cgroups {kernel['cgroups']}; PSI {'yes' if kernel['psi'] else 'no'}; "
+          f"userfaultfd {'yes' if kernel['userfaultfd'] else 'no'}")
+    driver = report["gpu_driver"]
+    print(f"{mark(driver)} GPU driver: {driver or 'none'}; GPU checkpoint: {report['gpu_checkpoint']}")
+    free = report.get("home_free_bytes")
+    print(f"{mark(report['home_writable'])} state directory writable: {'yes' if report['home_writable'] else 'NO'}"
+          + (f", {human_bytes(free)} free" if free is not None else ""))
+    print("torpor can checkpoint here" if report["ok"] else "torpor cannot checkpoint here: see the lines marked --")
+    return 0 if report["ok"] else 3
+
+
+# -- parser ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torpor",
+        description="Run jobs under supervision; checkpoint, hibernate and restore them transparently with CRIU.",
+        epilog="State lives in --home, $TORPOR_HOME, or /var/lib/torpor (root). See 'torpor COMMAND --help'.",
+    )
+    parser.add_argument("--version", action="version", version=f"torpor {__version__}")
+    parser.add_argument("--home", help="state directory (default: $TORPOR_HOME or /var/lib/torpor)")
+    parser.add_argument("--criu", help="criu binary to use (default: .venv/bin/criu, then PATH)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, *, json_flag: bool = True, job: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if job:
+            p.add_argument("name", help="job name")
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+        return p
+
+    p = add("run", "start COMMAND as a supervised job and return (the job survives the terminal)", job=False)
+    p.add_argument("--name", help="job name (default: derived from the command)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(func=cmd_run)
+
+    add("ps", "list jobs: name, state, pid, RSS, age, last checkpoint", job=False).set_defaults(func=cmd_ps)
+
+    p = add("logs", "print a job's output (stdout and stderr)", json_flag=False)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output while the job runs")
+    p.add_argument("-n", "--tail", type=int, help="only the last N lines")
+    p.set_defaults(func=cmd_logs)
+
+    add("checkpoint", "checkpoint a running job; it keeps running").set_defaults(func=cmd_checkpoint)
+    add("hibernate", "checkpoint a running job, then stop it, freeing its memory").set_defaults(func=cmd_hibernate)
+
+    p = add("resume", "restore a job from its latest checkpoint")
+    p.add_argument("--force", action="store_true", help="stop the job first if it is running")
+    p.set_defaults(func=cmd_resume)
+
+    p = add("restore", "restore a job from a given checkpoint (roll back)")
+    p.add_argument("--from", dest="from_", required=True, metavar="CHECKPOINT_ID", help="checkpoint id or prefix")
+    p.add_argument("--force", action="store_true", help="stop the job first if it is running")
+    p.set_defaults(func=cmd_restore)
+
+    p = add("checkpoints", "list checkpoints: time, size and freeze time of each", job=False)
+    p.add_argument("name", nargs="?", help="only this job's")
+    p.set_defaults(func=cmd_checkpoints)
+
+    p = add("stop", "stop a running job (SIGTERM, then SIGKILL); its checkpoints are kept")
+    p.add_argument("--timeout", type=float, help="seconds between SIGTERM and SIGKILL (default 5)")
+    p.set_defaults(func=cmd_stop)
+
+    p = add("rm", "forget a job and delete its checkpoints")
+    p.add_argument("--force", action="store_true", help="stop the job first if it is running")
+    p.set_defaults(func=cmd_rm)
+
+    add("doctor", "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU", job=False).set_defaults(
+        func=None
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_environment(home=args.home, criu=args.criu)
+        if args.command_name == "doctor":
+            return cmd_doctor(settings, args)
+        engine = Engine(settings)
+        return int(args.func(engine, args))
+    except TorporError as exc:
+        if args.debug:
+            raise
+        print(f"torpor: error: {exc.message}", file=sys.stderr)
+        for line in exc.details:
+            print(f"  {line}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("torpor: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

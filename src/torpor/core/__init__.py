@@ -1,0 +1,1 @@
+"""Core: checkpoint/restore orchestration (engine), job supervision (launcher), records and image store."""

@@ -1,0 +1,437 @@
+"""The engine: the order of operations of run, checkpoint, hibernate, restore, stop and remove.
+
+It owns the invariants of DESIGN.md. A checkpoint runs inside the job's launcher
+(:func:`checkpoint_in_launcher`); everything else runs in the calling process (the CLI) and talks to the
+launcher through :mod:`torpor.core.control`.
+
+Order of a checkpoint::
+
+    claim the job (running → checkpointing/hibernating)
+    GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
+    criu dump into the store's staging folder  (job frozen only here)
+    GPU stage: give the device back (if the job keeps running)
+    store.put (commit: the checkpoint becomes visible)
+    record the checkpoint; job → running / hibernated
+
+Any failure before the commit leaves the job running: CRIU resumes it, we SIGCONT anything left stopped,
+and a hibernation whose image cannot be committed is restored from its staging folder at once.
+
+Order of a restore: claim (hibernated/exited/failed → restoring), wait for the old processes to be gone,
+store.get into a fresh folder (every byte verified), start a launcher that runs ``criu restore`` and
+the GPU stage, job → running. On failure the job goes back to the state it had; the image stays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torpor.adapters import gpu, system
+from torpor.adapters.criu import Criu
+from torpor.core import control
+from torpor.core.records import (
+    LIVE_STATES,
+    RESTORABLE_STATES,
+    Checkpoint,
+    CheckpointId,
+    Job,
+    JobName,
+    JobState,
+    Records,
+)
+from torpor.core.store import ImageStore, open_store
+from torpor.errors import (
+    CheckpointNotFound,
+    EnvironmentProblem,
+    JobExited,
+    RestoreFailed,
+    TorporError,
+    UsageError,
+    WrongState,
+)
+from torpor.settings import Settings
+
+if TYPE_CHECKING:
+    from torpor.core.launcher import Launcher
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class Context:
+    """What every operation needs, built from one :class:`Settings`."""
+
+    def __init__(self, settings: Settings, gpu_stage: gpu.GpuStage | None = None) -> None:
+        self.settings = settings
+        self.gpu: gpu.GpuStage = gpu_stage or gpu.NoGpuStage()
+        for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise EnvironmentProblem(
+                    f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"
+                ) from exc
+        if not os.access(settings.home, os.W_OK):
+            raise EnvironmentProblem(f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME")
+        self.records = Records(settings.db_path)
+        self.store: ImageStore = open_store(settings.images_dir)
+
+    @cached_property
+    def criu(self) -> Criu:
+        return Criu(self.settings.criu)
+
+    def criu_log(self, job: str, action: str, checkpoint_id: str) -> Path:
+        folder = self.settings.job_dir(job) / "criu"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"{action}-{checkpoint_id}.log"
+
+
+# -- inside the launcher ---------------------------------------------------------------------------
+
+
+def checkpoint_in_launcher(
+    ctx: Context, name: str, pid: int, hibernate: bool, launcher: Launcher, send: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock."""
+
+    def progress(text: str) -> None:
+        send({"progress": text})
+
+    records = ctx.records
+    info = ctx.criu.require()
+    job = records.transition(
+        name, {JobState.RUNNING}, JobState.HIBERNATING if hibernate else JobState.CHECKPOINTING
+    )
+    parent = records.latest_checkpoint(name)
+    checkpoint_id = CheckpointId(uuid.uuid4().hex[:12])
+    started = time.monotonic()
+    pids = system.namespace_members(pid)
+    staging: Path | None = None
+    committed = False
+    try:
+        staging = ctx.store.staging_dir(checkpoint_id)
+        ctx.gpu.before_dump(pids)
+        progress(f"dumping {len(pids)} process(es), {system.rss_bytes(pids) / 2**20:.0f} MiB resident")
+        dump_started = time.monotonic()
+        try:
+            stats = ctx.criu.dump(
+                pid,
+                staging,
+                ctx.criu_log(name, "dump", checkpoint_id),
+                leave_running=not hibernate,
+                extra=ctx.settings.criu_extra,
+            )
+        finally:
+            if not hibernate:
+                ctx.gpu.after_dump(pids, leave_running=True)
+        dump_s = time.monotonic() - dump_started
+        freeze_s = stats.frozen_s or dump_s
+        progress(f"dumped in {dump_s:.2f} s (frozen {freeze_s:.2f} s); storing")
+        try:
+            stored = ctx.store.put(checkpoint_id, name, staging)
+        except TorporError as exc:
+            if hibernate:
+                _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
+            raise
+        committed = True
+        total_s = time.monotonic() - started
+        checkpoint = Checkpoint(
+            id=checkpoint_id,
+            job=JobName(name),
+            kind="hibernate" if hibernate else "checkpoint",
+            created_at=time.time(),
+            freeze_s=freeze_s,
+            total_s=total_s,
+            size_bytes=stored.size_bytes,
+            criu_version=info.version,
+            parent=parent.id if parent else job.restored_from,
+        )
+        records.add_checkpoint(checkpoint)
+    except TorporError as exc:
+        if staging is not None and not committed:
+            ctx.store.discard(staging)
+        woken = system.resume_stopped(system.namespace_members(launcher.pid or pid))
+        alive = launcher.pid is not None and system.is_alive(launcher.pid)
+        if alive:
+            records.transition(name, {JobState.CHECKPOINTING, JobState.HIBERNATING}, JobState.RUNNING)
+            if woken:
+                exc.details.append(f"torpor resumed {len(woken)} process(es) left stopped")
+            exc.details.append("the job is still running")
+        elif not isinstance(exc, JobExited):
+            raise JobExited(f"the job ended during its checkpoint: {exc.message}", details=exc.details) from exc
+        raise
+    if hibernate:
+        records.set_fields(name, pid=None, ended_at=time.time(), message=f"hibernated as {checkpoint_id}")
+        records.transition(name, {JobState.HIBERNATING}, JobState.HIBERNATED)
+    else:
+        records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
+    return asdict(checkpoint)
+
+
+def _restore_after_failed_hibernation(
+    ctx: Context, name: str, checkpoint_id: str, staging: Path, launcher: Launcher, cause: TorporError
+) -> None:
+    """The dump killed the job but its image could not be stored: bring the job back from the image."""
+    try:
+        pid = ctx.criu.restore(
+            staging,
+            ctx.criu_log(name, "rollback", checkpoint_id),
+            staging / "restored.pid",
+            extra=ctx.settings.criu_extra,
+        )
+    except TorporError as exc:
+        cause.details.append(f"restoring the job from its unsaved image failed too: {exc.message}")
+        cause.details.extend(exc.details)
+        cause.details.append(f"the unsaved image is kept in {staging}")
+        raise cause from exc
+    launcher.adopt(pid)
+
+
+def restore_into_launcher(ctx: Context, job: Job, image_dir: Path, checkpoint_id: str) -> int:
+    """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid."""
+    try:
+        pid = ctx.criu.restore(
+            image_dir,
+            ctx.criu_log(job.name, "restore", checkpoint_id),
+            image_dir / "restored.pid",
+            extra=ctx.settings.criu_extra,
+        )
+        ctx.gpu.after_restore(system.namespace_members(pid))
+        return pid
+    finally:
+        shutil.rmtree(image_dir, ignore_errors=True)
+
+
+# -- from the CLI ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job as ``torpor ps`` shows it: the record plus what /proc says now."""
+
+    job: Job
+    rss_bytes: int | None
+    last_checkpoint: Checkpoint | None
+
+
+class Engine:
+    def __init__(self, settings: Settings, gpu_stage: gpu.GpuStage | None = None) -> None:
+        self.ctx = Context(settings, gpu_stage)
+        self.settings = settings
+        self.records = self.ctx.records
+
+    # -- run ------------------------------------------------------------------------------------------
+
+    def run(self, name: str | None, command: list[str], cwd: str) -> Job:
+        if not command:
+            raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
+        if shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None) is None:
+            raise UsageError(f"command not found: {command[0]}")
+        name = name or self._free_name(Path(command[0]).name)
+        _check_name(name)
+        job_dir = self.settings.job_dir(name)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        job = self.records.create_job(JobName(name), command, cwd, str(job_dir / "output.log"))
+        try:
+            self._spawn_launcher({"mode": "start", "job": name})
+        except TorporError:
+            if self.records.job(name).state == JobState.STARTING:
+                self.records.transition(name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
+            raise
+        return self.records.job(job.name)
+
+    def _free_name(self, base: str) -> str:
+        taken = {job.name for job in self.records.jobs()}
+        base = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in base).strip(".-") or "job"
+        if base not in taken:
+            return base
+        n = 2
+        while f"{base}-{n}" in taken:
+            n += 1
+        return f"{base}-{n}"
+
+    def _spawn_launcher(self, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        """Start a detached launcher and wait for its one-line report (started / restored / failed)."""
+        spec = {"home": str(self.settings.home), "criu": str(self.settings.criu or "") or None, **spec}
+        log = self.settings.job_dir(spec["job"]) / "launcher.log"
+        ready_r, ready_w = os.pipe()
+        with open(log, "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "torpor.core.launcher", json.dumps(spec), str(ready_w)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(ready_w,),
+                close_fds=True,
+            )
+        os.close(ready_w)
+        with os.fdopen(ready_r) as pipe:
+            line = pipe.readline()
+        if not line:
+            process.wait(timeout=timeout)
+            tail = log.read_text(errors="replace").splitlines()[-8:]
+            raise TorporError(
+                f"the launcher for '{spec['job']}' died before reporting (exit {process.returncode})", details=tail
+            )
+        report: dict[str, Any] = json.loads(line)
+        if not report.get("ok"):
+            process.wait(timeout=timeout)
+            from torpor.errors import from_dict
+
+            raise from_dict(report)
+        return report
+
+    # -- inspect ---------------------------------------------------------------------------------------
+
+    def reconcile(self, job: Job) -> Job:
+        """Mark a job whose launcher vanished (killed, machine rebooted) as failed."""
+        if job.state in LIVE_STATES | {JobState.RESTORING} and job.launcher_pid and not system.is_alive(job.launcher_pid):
+            if job.pid and system.is_alive(job.pid):
+                message = "its launcher died; the job runs unsupervised (stop it with kill)"
+            else:
+                message = "its launcher died"
+            self.records.set_fields(job.name, message=message, ended_at=time.time())
+            self.records.transition(job.name, {job.state}, JobState.FAILED)
+            return self.records.job(job.name)
+        return job
+
+    def status(self, name: str) -> JobStatus:
+        job = self.reconcile(self.records.job(name))
+        rss = None
+        if job.state in LIVE_STATES and job.pid:
+            rss = system.rss_bytes(system.namespace_members(job.pid))
+        return JobStatus(job, rss, self.records.latest_checkpoint(name))
+
+    def statuses(self) -> list[JobStatus]:
+        return [self.status(job.name) for job in self.records.jobs()]
+
+    def checkpoints(self, name: str | None = None) -> list[Checkpoint]:
+        if name is not None:
+            self.records.job(name)
+        return self.records.checkpoints(name)
+
+    # -- checkpoint and hibernate ---------------------------------------------------------------------
+
+    def checkpoint(self, name: str, hibernate: bool = False, progress: Progress = _quiet) -> Checkpoint:
+        job = self.reconcile(self.records.job(name))
+        if job.state != JobState.RUNNING:
+            verb = "hibernate" if hibernate else "checkpoint"
+            hint = f"; resume it first with 'torpor resume {name}'" if job.state == JobState.HIBERNATED else ""
+            raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
+        self.ctx.criu.require()
+        reply = control.call(
+            self.settings.socket_path(name), {"op": "checkpoint", "hibernate": hibernate}, on_progress=progress
+        )
+        checkpoint = reply["checkpoint"]
+        return Checkpoint(**checkpoint)
+
+    # -- restore ---------------------------------------------------------------------------------------
+
+    def restore(
+        self, name: str, ref: str | None = None, force: bool = False, progress: Progress = _quiet
+    ) -> tuple[Job, Checkpoint, float]:
+        """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds)."""
+        job = self.reconcile(self.records.job(name))
+        checkpoint = self.records.find_checkpoint(name, ref) if ref else self.records.latest_checkpoint(name)
+        if checkpoint is None:
+            raise CheckpointNotFound(f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')")
+        if job.state in LIVE_STATES or job.state == JobState.RESTORING:
+            if not force or job.state not in LIVE_STATES:
+                raise WrongState(
+                    f"job '{name}' is {job.state}; stop it first or pass --force to stop it and restore"
+                )
+            progress(f"stopping the running job '{name}'")
+            self.stop(name)
+            job = self.records.job(name)
+        self.ctx.criu.require()
+        started = time.monotonic()
+        previous = self.records.transition(name, RESTORABLE_STATES, JobState.RESTORING)
+        image_dir = self.settings.tmp_dir / f"restore-{checkpoint.id}-{uuid.uuid4().hex[:6]}"
+        try:
+            if previous.pid and not system.wait_gone(previous.pid, previous.pid_ticks, self.settings.pid_wait_s):
+                raise RestoreFailed(f"the previous processes of '{name}' (pid {previous.pid}) are still running")
+            progress(f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying")
+            self.ctx.store.get(checkpoint.id, image_dir)
+            progress("restoring with criu")
+            self._spawn_launcher(
+                {
+                    "mode": "restore",
+                    "job": name,
+                    "image_dir": str(image_dir),
+                    "checkpoint_id": checkpoint.id,
+                }
+            )
+        except TorporError as exc:
+            shutil.rmtree(image_dir, ignore_errors=True)
+            self.records.transition(name, {JobState.RESTORING}, previous.state)
+            if not isinstance(exc, RestoreFailed):
+                exc.details.append(f"job '{name}' stays {previous.state}; its checkpoints are untouched")
+                raise
+            raise RestoreFailed(
+                f"{exc.message}; job '{name}' stays {previous.state} and checkpoint {checkpoint.id} is kept",
+                details=exc.details,
+            ) from exc
+        return self.records.job(name), checkpoint, time.monotonic() - started
+
+    # -- stop and remove --------------------------------------------------------------------------------
+
+    def stop(self, name: str, grace_s: float | None = None) -> Job:
+        """SIGTERM the job (PID 1 of its namespace ignores it unless it handles it), then SIGKILL."""
+        job = self.reconcile(self.records.job(name))
+        if job.state not in LIVE_STATES or not job.pid:
+            raise WrongState(f"job '{name}' is {job.state}, not running")
+        grace = self.settings.stop_grace_s if grace_s is None else grace_s
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            if wait <= 0 and sig == signal.SIGTERM:
+                continue
+            try:
+                os.kill(job.pid, sig)
+            except ProcessLookupError:
+                break
+            if system.wait_gone(job.pid, job.pid_ticks, wait):
+                break
+        # the launcher records the exit; wait for it so the next command sees a settled state
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            job = self.reconcile(self.records.job(name))
+            if job.state not in LIVE_STATES:
+                break
+            time.sleep(0.05)
+        return job
+
+    def remove(self, name: str, force: bool = False) -> list[str]:
+        job = self.reconcile(self.records.job(name))
+        if job.state in LIVE_STATES or job.state == JobState.RESTORING:
+            if not force or job.state == JobState.RESTORING:
+                raise WrongState(f"job '{name}' is {job.state}; stop it first or pass --force")
+            self.stop(name, grace_s=0)
+        removed = []
+        for checkpoint in self.records.checkpoints(name):
+            self.ctx.store.delete(checkpoint.id)
+            removed.append(checkpoint.id)
+        self.records.delete_job(name)
+        shutil.rmtree(self.settings.job_dir(name), ignore_errors=True)
+        return removed
+
+    def log_path(self, name: str) -> Path:
+        return Path(self.records.job(name).log_path)
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > 64 or not all(ch.isalnum() or ch in "-_." for ch in name) or name[0] in ".-":
+        raise UsageError(f"bad job name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'")

@@ -1,0 +1,263 @@
+"""The launcher: one small process per job incarnation that supervises it and takes its commands.
+
+Started detached (its own session, stdio away from the terminal) by ``torpor run`` or ``torpor resume``:
+
+* it becomes a child subreaper, then starts the job as PID 1 of a new PID namespace in a session of its
+  own (stdin /dev/null, stdout+stderr appended to the job's log) — or, on resume, runs ``criu restore -d``
+  so the restored tree is re-parented to it;
+* it records the job's pid and, when the job ends, its exit status;
+* it serves ``status`` and ``checkpoint`` requests (JSON lines) on a unix socket; a checkpoint runs here,
+  because the launcher is the one process that can tell a job killed by a hibernating dump from a crash.
+
+The CLI is never the job's parent, so closing the terminal does not touch the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torpor.adapters import system
+from torpor.core import engine
+from torpor.core.records import JobState
+from torpor.errors import JobExited, TorporError
+from torpor.settings import Settings
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the CLI asks a new launcher to do (passed as JSON on its command line)."""
+
+    home: str
+    criu: str | None
+    job: str
+    mode: str  # "start" or "restore"
+    image_dir: str | None = None  # restore: a verified image folder the launcher consumes
+    checkpoint_id: str | None = None  # restore: which checkpoint the image is
+
+    def settings(self) -> Settings:
+        return Settings(home=Path(self.home), criu=Path(self.criu) if self.criu else None)
+
+
+class Launcher:
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.ctx = engine.Context(spec.settings())
+        self.job = self.ctx.records.job(spec.job)
+        self.lock = threading.Lock()  # one operation at a time, and the waiter waits for it
+        self.pid: int | None = None
+        self.server: socketserver.ThreadingUnixStreamServer | None = None
+
+    # -- starting -----------------------------------------------------------------------------------
+
+    def start_job(self) -> int:
+        """Fork the job as PID 1 of a new PID namespace; returns its pid (our child, via subreaping)."""
+        log_fd = os.open(self.job.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        pid_r, pid_w = os.pipe()
+        exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
+        middle = os.fork()
+        if middle == 0:  # pragma: no cover - runs in the forked children
+            try:
+                os.close(pid_r)
+                os.close(exec_r)
+                system.unshare_pid_namespace()
+                child = os.fork()
+                if child == 0:
+                    self._exec_job(log_fd, exec_w)
+                os.write(pid_w, str(child).encode())
+            finally:
+                os._exit(0)
+        os.close(pid_w)
+        os.close(exec_w)
+        os.close(log_fd)
+        os.waitpid(middle, 0)  # once the middle process is reaped, the job is our child
+        with os.fdopen(pid_r) as pipe:
+            text = pipe.read()
+        with os.fdopen(exec_r, "rb") as pipe:
+            failure = pipe.read()
+        if not text:
+            raise TorporError("could not start the job: creating its PID namespace failed")
+        pid = int(text)
+        if failure:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            raise TorporError(f"cannot run {self.job.command[0]!r}: {failure.decode(errors='replace')}")
+        return pid
+
+    def _exec_job(self, log_fd: int, exec_w: int) -> None:  # pragma: no cover - child side
+        try:
+            os.setsid()
+            os.chdir(self.job.cwd)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.closerange(3, exec_w)
+            os.closerange(exec_w + 1, 65536)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            os.execvp(self.job.command[0], self.job.command)
+        except OSError as exc:
+            os.write(exec_w, (exc.strerror or str(exc)).encode())
+        os._exit(127)
+
+    def restore_job(self) -> int:
+        assert self.spec.image_dir and self.spec.checkpoint_id
+        return engine.restore_into_launcher(self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id)
+
+    # -- serving ------------------------------------------------------------------------------------
+
+    def serve(self, ready_fd: int) -> int:
+        system.become_subreaper()
+        try:
+            pid = self.start_job() if self.spec.mode == "start" else self.restore_job()
+        except TorporError as exc:
+            if self.spec.mode == "start":
+                self.ctx.records.set_fields(self.job.name, message=exc.message)
+                self.ctx.records.transition(
+                    self.job.name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time()
+                )
+            _report(ready_fd, {"ok": False, **exc.to_dict()})
+            return 1
+        self.pid = pid
+        sock_path = self.ctx.settings.socket_path(self.job.name)
+        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        sock_path.unlink(missing_ok=True)
+        self.server = _Server(str(sock_path), _Handler)
+        self.server.launcher = self
+        expected = {JobState.STARTING} if self.spec.mode == "start" else {JobState.RESTORING}
+        self.ctx.records.transition(
+            self.job.name,
+            expected,
+            JobState.RUNNING,
+            pid=pid,
+            pid_ticks=system.start_ticks(pid),
+            launcher_pid=os.getpid(),
+            started_at=time.time(),
+            ended_at=None,
+            exit_code=None,
+            message=None,
+            restored_from=self.spec.checkpoint_id,
+        )
+        waiter = threading.Thread(target=self._wait_for_job, name="waiter", daemon=True)
+        waiter.start()
+        _report(ready_fd, {"ok": True, "pid": pid, "launcher_pid": os.getpid()})
+        try:
+            self.server.serve_forever(poll_interval=0.2)
+        finally:
+            self.server.server_close()
+            with contextlib.suppress(FileNotFoundError):
+                if sock_path.exists() and self._socket_is_ours(sock_path):
+                    sock_path.unlink()
+        return 0
+
+    def _socket_is_ours(self, path: Path) -> bool:
+        job = self.ctx.records.job(self.job.name)
+        return job.launcher_pid in (None, os.getpid())
+
+    def _wait_for_job(self) -> None:
+        while True:
+            waited = self.pid
+            assert waited is not None
+            try:
+                _, status = os.waitpid(waited, 0)
+            except ChildProcessError:
+                status = None
+            with self.lock:
+                if self.pid != waited and self.pid is not None and system.is_alive(self.pid):
+                    continue  # a failed hibernation restored the job under a new pid: keep watching
+                self._finish(status)
+                break
+        assert self.server is not None
+        self.server.shutdown()
+
+    def _finish(self, status: int | None) -> None:
+        job = self.ctx.records.job(self.job.name)
+        if job.state == JobState.HIBERNATED or job.launcher_pid != os.getpid():
+            return  # hibernated by a checkpoint, or a newer incarnation owns the record
+        now = time.time()
+        if status is None:
+            state, code, message = JobState.FAILED, None, "the job's exit status was lost"
+        elif os.WIFEXITED(status):
+            state, code, message = JobState.EXITED, os.WEXITSTATUS(status), None
+        else:
+            sig = os.WTERMSIG(status)
+            state, code = JobState.FAILED, 128 + sig
+            message = f"killed by signal {sig} ({signal.Signals(sig).name})"
+        self.ctx.records.set_fields(self.job.name, pid=None, exit_code=code, message=message, ended_at=now)
+        self.ctx.records.transition(self.job.name, set(JobState), state)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def handle(self, request: dict[str, Any], send: Any) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, "pid": self.pid, "launcher_pid": os.getpid()}
+        if op == "checkpoint":
+            hibernate = bool(request.get("hibernate"))
+            with self.lock:
+                if self.pid is None or not system.is_alive(self.pid):
+                    raise JobExited(f"job '{self.job.name}' is not running")
+                result = engine.checkpoint_in_launcher(self.ctx, self.job.name, self.pid, hibernate, self, send)
+            return {"ok": True, "checkpoint": result}
+        return {"ok": False, "error": "UsageError", "message": f"unknown request {op!r}", "details": []}
+
+    def adopt(self, pid: int) -> None:
+        """A failed hibernation restored the job from its staging image: supervise the new tree."""
+        self.pid = pid
+        self.ctx.records.set_fields(self.job.name, pid=pid, pid_ticks=system.start_ticks(pid))
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    launcher: Launcher
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        def send(message: dict[str, Any]) -> None:
+            with contextlib.suppress(OSError):
+                self.wfile.write(json.dumps(message).encode() + b"\n")
+                self.wfile.flush()
+
+        try:
+            request = json.loads(self.rfile.readline() or b"{}")
+            reply = self.server.launcher.handle(request, send)
+        except TorporError as exc:
+            reply = {"ok": False, **exc.to_dict()}
+        except Exception as exc:  # a bug: report it rather than leave the client hanging
+            reply = {"ok": False, "error": "TorporError", "message": f"internal error: {exc!r}", "details": []}
+            print(f"launcher: internal error handling a request: {exc!r}", file=sys.stderr, flush=True)
+        send(reply)
+
+
+def _report(fd: int, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, json.dumps(message).encode() + b"\n")
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = LaunchSpec(**json.loads(args[0]))
+    ready_fd = int(args[1])
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    print(f"launcher {os.getpid()} for job {spec.job} ({spec.mode}) at {time.ctime()}", flush=True)
+    return Launcher(spec).serve(ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Job and checkpoint records in SQLite: the one place that says what exists and in which state.
+
+Several processes write here at once (CLI calls, one launcher per job), so every connection uses WAL and
+a busy timeout, and every state change is one short ``BEGIN IMMEDIATE`` transaction whose ``WHERE``
+clause checks the state it expects — two ``resume`` calls racing cannot both win.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import NewType
+
+from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError
+
+JobName = NewType("JobName", str)
+CheckpointId = NewType("CheckpointId", str)
+
+SCHEMA_VERSION = 1
+
+
+class JobState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    HIBERNATING = "hibernating"
+    HIBERNATED = "hibernated"
+    RESTORING = "restoring"
+    EXITED = "exited"
+    FAILED = "failed"
+
+
+#: states in which the job has live processes (or is about to)
+LIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CHECKPOINTING, JobState.HIBERNATING})
+#: states from which a job can be restored
+RESTORABLE_STATES = frozenset({JobState.HIBERNATED, JobState.EXITED, JobState.FAILED})
+
+
+@dataclass(frozen=True)
+class Job:
+    name: JobName
+    command: list[str]
+    cwd: str
+    state: JobState
+    pid: int | None
+    pid_ticks: int | None
+    launcher_pid: int | None
+    log_path: str
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    message: str | None
+    restored_from: CheckpointId | None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    id: CheckpointId
+    job: JobName
+    kind: str  # "checkpoint" or "hibernate"
+    created_at: float
+    freeze_s: float
+    total_s: float
+    size_bytes: int
+    criu_version: str
+    parent: CheckpointId | None
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    command TEXT NOT NULL,
+    cwd TEXT NOT NULL,
+    state TEXT NOT NULL,
+    pid INTEGER,
+    pid_ticks INTEGER,
+    launcher_pid INTEGER,
+    log_path TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    exit_code INTEGER,
+    message TEXT,
+    restored_from TEXT
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    id TEXT PRIMARY KEY,
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    kind TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    freeze_s REAL NOT NULL,
+    total_s REAL NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    criu_version TEXT NOT NULL,
+    parent TEXT
+);
+CREATE INDEX IF NOT EXISTS checkpoints_by_job ON checkpoints(job, created_at);
+"""
+
+
+class Records:
+    """Access to ``torpor.db``; cheap to create, one short connection per operation."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with self._connect() as db:
+                db.executescript(_SCHEMA)
+                db.execute(
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
+                version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+        except (sqlite3.OperationalError, PermissionError, OSError) as exc:
+            raise EnvironmentProblem(
+                f"cannot open torpor's state in {path.parent} ({exc}); make it writable or set TORPOR_HOME"
+            ) from exc
+        if int(version) != SCHEMA_VERSION:
+            raise EnvironmentProblem(
+                f"{path} has schema version {version}, this torpor knows {SCHEMA_VERSION}; use a matching torpor"
+            )
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=30000")
+        return db
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            raise EnvironmentProblem(f"cannot write torpor's state in {self.path} ({exc})") from exc
+        finally:
+            db.close()
+
+    # -- jobs -------------------------------------------------------------------------------------------
+
+    def create_job(self, name: JobName, command: list[str], cwd: str, log_path: str) -> Job:
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM jobs WHERE name=?", (name,)).fetchone():
+                raise UsageError(f"a job named '{name}' already exists: pick another --name or 'torpor rm {name}'")
+            db.execute(
+                "INSERT INTO jobs(name, command, cwd, state, log_path, created_at) VALUES (?,?,?,?,?,?)",
+                (name, json.dumps(command), cwd, JobState.STARTING, log_path, time.time()),
+            )
+        return self.job(name)
+
+    def job(self, name: str) -> Job:
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise JobNotFound(f"no job named '{name}' (see 'torpor ps')")
+        return _job(row)
+
+    def jobs(self) -> list[Job]:
+        with self.transaction() as db:
+            rows = db.execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
+        return [_job(row) for row in rows]
+
+    def transition(self, name: str, expected: frozenset[JobState] | set[JobState], new: JobState, **fields: object) -> Job:
+        """Move ``name`` to ``new`` (and set ``fields``) only if it is in one of ``expected``.
+
+        Returns the job as it was before; raises :class:`WrongState` if it was in another state.
+        """
+        from torpor.errors import WrongState
+
+        allowed = {"pid", "pid_ticks", "launcher_pid", "started_at", "ended_at", "exit_code", "message", "restored_from"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown job fields {unknown}")
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
+            if row is None:
+                raise JobNotFound(f"no job named '{name}' (see 'torpor ps')")
+            before = _job(row)
+            if before.state not in expected:
+                raise WrongState(
+                    f"job '{name}' is {before.state}; this needs it to be "
+                    + " or ".join(sorted(str(s) for s in expected))
+                )
+            assignments = ", ".join(["state=?", *(f"{key}=?" for key in fields)])
+            db.execute(f"UPDATE jobs SET {assignments} WHERE name=?", (new, *fields.values(), name))
+        return before
+
+    def set_fields(self, name: str, **fields: object) -> None:
+        if not fields:
+            return
+        assignments = ", ".join(f"{key}=?" for key in fields)
+        with self.transaction() as db:
+            db.execute(f"UPDATE jobs SET {assignments} WHERE name=?", (*fields.values(), name))
+
+    def delete_job(self, name: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
+            db.execute("DELETE FROM jobs WHERE name=?", (name,))
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO checkpoints(id, job, kind, created_at, freeze_s, total_s, size_bytes, criu_version, parent)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    checkpoint.id,
+                    checkpoint.job,
+                    checkpoint.kind,
+                    checkpoint.created_at,
+                    checkpoint.freeze_s,
+                    checkpoint.total_s,
+                    checkpoint.size_bytes,
+                    checkpoint.criu_version,
+                    checkpoint.parent,
+                ),
+            )
+
+    def checkpoints(self, job: str | None = None) -> list[Checkpoint]:
+        with self.transaction() as db:
+            if job is None:
+                rows = db.execute("SELECT * FROM checkpoints ORDER BY created_at").fetchall()
+            else:
+                rows = db.execute("SELECT * FROM checkpoints WHERE job=? ORDER BY created_at", (job,)).fetchall()
+        return [_checkpoint(row) for row in rows]
+
+    def latest_checkpoint(self, job: str) -> Checkpoint | None:
+        found = self.checkpoints(job)
+        return found[-1] if found else None
+
+    def find_checkpoint(self, job: str, ref: str) -> Checkpoint:
+        """A checkpoint of ``job`` by its id or a unique prefix of it."""
+        matches = [c for c in self.checkpoints(job) if c.id == ref or c.id.startswith(ref)]
+        exact = [c for c in matches if c.id == ref]
+        if exact:
+            return exact[0]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise CheckpointNotFound(f"job '{job}' has no checkpoint '{ref}' (see 'torpor checkpoints {job}')")
+        raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints of '{job}': give more of the id")
+
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint_id,))
+
+
+def _job(row: sqlite3.Row) -> Job:
+    return Job(
+        name=JobName(row["name"]),
+        command=json.loads(row["command"]),
+        cwd=row["cwd"],
+        state=JobState(row["state"]),
+        pid=row["pid"],
+        pid_ticks=row["pid_ticks"],
+        launcher_pid=row["launcher_pid"],
+        log_path=row["log_path"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+        exit_code=row["exit_code"],
+        message=row["message"],
+        restored_from=CheckpointId(row["restored_from"]) if row["restored_from"] else None,
+    )
+
+
+def _checkpoint(row: sqlite3.Row) -> Checkpoint:
+    return Checkpoint(
+        id=CheckpointId(row["id"]),
+        job=JobName(row["job"]),
+        kind=row["kind"],
+        created_at=row["created_at"],
+        freeze_s=row["freeze_s"],
+        total_s=row["total_s"],
+        size_bytes=row["size_bytes"],
+        criu_version=row["criu_version"],
+        parent=CheckpointId(row["parent"]) if row["parent"] else None,
+    )

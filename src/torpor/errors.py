@@ -1,0 +1,119 @@
+"""The exceptions torpor raises on purpose, with the exit code the CLI uses for each.
+
+::
+
+    TorporError                      expected failures: the CLI prints the message, no traceback
+    ├── UsageError (2)               bad input: unknown job, bad id, bad flag combination
+    │   ├── JobNotFound
+    │   ├── CheckpointNotFound
+    │   └── WrongState               e.g. checkpoint a hibernated job, resume a running one
+    ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
+    │   └── CriuUnavailable
+    ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
+    │   └── JobExited                the job ended while it was being checkpointed
+    ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
+    ├── StoreError (6)               the image store refused or lost data
+    │   ├── CorruptImage             a byte read back does not match its content hash
+    │   └── StorageFull              no space left
+    └── LauncherUnreachable (7)      the job's launcher does not answer on its socket
+
+Errors that reveal a bug in torpor are *not* TorporErrors, so no handler swallows them.
+"""
+
+from __future__ import annotations
+
+
+class TorporError(Exception):
+    """Base of every failure torpor expects and explains; ``str()`` is the one-line message."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, details: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: extra lines that explain the failure (e.g. the CRIU log lines), shown under the message
+        self.details: list[str] = list(details or [])
+
+    def to_dict(self) -> dict[str, object]:
+        return {"error": type(self).__name__, "message": self.message, "details": self.details}
+
+
+class UsageError(TorporError):
+    exit_code = 2
+
+
+class JobNotFound(UsageError):
+    pass
+
+
+class CheckpointNotFound(UsageError):
+    pass
+
+
+class WrongState(UsageError):
+    pass
+
+
+class EnvironmentProblem(TorporError):
+    exit_code = 3
+
+
+class CriuUnavailable(EnvironmentProblem):
+    pass
+
+
+class CheckpointFailed(TorporError):
+    exit_code = 4
+
+
+class JobExited(CheckpointFailed):
+    pass
+
+
+class RestoreFailed(TorporError):
+    exit_code = 5
+
+
+class StoreError(TorporError):
+    exit_code = 6
+
+
+class CorruptImage(StoreError):
+    pass
+
+
+class StorageFull(StoreError):
+    pass
+
+
+class LauncherUnreachable(TorporError):
+    exit_code = 7
+
+
+_BY_NAME: dict[str, type[TorporError]] = {
+    cls.__name__: cls
+    for cls in (
+        TorporError,
+        UsageError,
+        JobNotFound,
+        CheckpointNotFound,
+        WrongState,
+        EnvironmentProblem,
+        CriuUnavailable,
+        CheckpointFailed,
+        JobExited,
+        RestoreFailed,
+        StoreError,
+        CorruptImage,
+        StorageFull,
+        LauncherUnreachable,
+    )
+}
+
+
+def from_dict(data: dict[str, object]) -> TorporError:
+    """Rebuild an error that crossed a process boundary (launcher → CLI) as JSON."""
+    cls = _BY_NAME.get(str(data.get("error")), TorporError)
+    raw_details = data.get("details")
+    details = [str(line) for line in raw_details] if isinstance(raw_details, list) else []
+    return cls(str(data.get("message", "unknown error")), details=details)
