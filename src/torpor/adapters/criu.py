@@ -279,4 +279,3 @@ def read_dump_stats(images_dir: Path) -> DumpStats:
         memwrite_s=usec(4),
         pages_written=pages if isinstance(pages, int) else 0,
     )
-

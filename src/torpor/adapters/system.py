@@ -165,7 +165,8 @@ def kernel_features() -> KernelFeatures:
         kernel=os.uname().release,
         cgroups=cgroups,
         psi=Path("/proc/pressure/memory").exists(),
-        userfaultfd=Path("/proc/sys/vm/unprivileged_userfaultfd").exists() or Path("/dev/userfaultfd").exists(),
+        userfaultfd=Path("/proc/sys/vm/unprivileged_userfaultfd").exists()
+        or Path("/dev/userfaultfd").exists(),
     )
 
 

@@ -139,7 +139,12 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
                 continue
-            if engine.status(args.name).job.state not in ("starting", "running", "checkpointing", "restoring"):
+            if engine.status(args.name).job.state not in (
+                "starting",
+                "running",
+                "checkpointing",
+                "restoring",
+            ):
                 break
             time.sleep(0.2)
     return 0
@@ -251,8 +256,10 @@ def doctor_report(settings: Settings) -> dict[str, Any]:
     report["kernel"] = asdict(kernel)
     report["gpu_driver"] = gpu.driver_version()
     report["gpu_checkpoint"] = "not supported yet (CPU jobs only)"
-    home_ok = os.access(settings.home, os.W_OK) if settings.home.exists() else os.access(
-        _existing_parent(settings.home), os.W_OK
+    home_ok = (
+        os.access(settings.home, os.W_OK)
+        if settings.home.exists()
+        else os.access(_existing_parent(settings.home), os.W_OK)
     )
     report["home_writable"] = home_ok
     if settings.home.exists():
@@ -279,23 +286,37 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
 
     print(f"torpor {report['torpor']}, state in {report['home']}")
     if criu.get("version"):
-        print(f"{mark(criu['check_ok'])} criu {criu['version']} at {criu['path']}: {criu['check'].splitlines()[-1] if criu['check'] else ''}")
-        print(f"{mark(criu['dirty_tracking'])} memory dirty tracking (pre-dump, incremental freeze): "
-              f"{'yes' if criu['dirty_tracking'] else 'no (kernel lacks soft-dirty; full dumps only)'}")
+        print(
+            f"{mark(criu['check_ok'])} criu {criu['version']} at {criu['path']}: {criu['check'].splitlines()[-1] if criu['check'] else ''}"
+        )
+        print(
+            f"{mark(criu['dirty_tracking'])} memory dirty tracking (pre-dump, incremental freeze): "
+            f"{'yes' if criu['dirty_tracking'] else 'no (kernel lacks soft-dirty; full dumps only)'}"
+        )
         print(f"{mark(criu['lazy_pages'])} userfaultfd lazy pages: {'yes' if criu['lazy_pages'] else 'no'}")
-        print(f"{mark(criu['nftables_lock'])} nftables network lock (keeps TCP connections): "
-              f"{'yes' if criu['nftables_lock'] else 'no'}")
+        print(
+            f"{mark(criu['nftables_lock'])} nftables network lock (keeps TCP connections): "
+            f"{'yes' if criu['nftables_lock'] else 'no'}"
+        )
     else:
         print(f"--  criu: {criu.get('error')}")
     kernel = report["kernel"]
-    print(f"ok  kernel {kernel['kernel']}; cgroups {kernel['cgroups']}; PSI {'yes' if kernel['psi'] else 'no'}; "
-          f"userfaultfd {'yes' if kernel['userfaultfd'] else 'no'}")
+    print(
+        f"ok  kernel {kernel['kernel']}; cgroups {kernel['cgroups']}; PSI {'yes' if kernel['psi'] else 'no'}; "
+        f"userfaultfd {'yes' if kernel['userfaultfd'] else 'no'}"
+    )
     driver = report["gpu_driver"]
     print(f"{mark(driver)} GPU driver: {driver or 'none'}; GPU checkpoint: {report['gpu_checkpoint']}")
     free = report.get("home_free_bytes")
-    print(f"{mark(report['home_writable'])} state directory writable: {'yes' if report['home_writable'] else 'NO'}"
-          + (f", {human_bytes(free)} free" if free is not None else ""))
-    print("torpor can checkpoint here" if report["ok"] else "torpor cannot checkpoint here: see the lines marked --")
+    print(
+        f"{mark(report['home_writable'])} state directory writable: {'yes' if report['home_writable'] else 'NO'}"
+        + (f", {human_bytes(free)} free" if free is not None else "")
+    )
+    print(
+        "torpor can checkpoint here"
+        if report["ok"]
+        else "torpor cannot checkpoint here: see the lines marked --"
+    )
     return 0 if report["ok"] else 3
 
 
@@ -314,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", required=True)
 
-    def add(name: str, help_text: str, *, json_flag: bool = True, job: bool = True) -> argparse.ArgumentParser:
+    def add(
+        name: str, help_text: str, *, json_flag: bool = True, job: bool = True
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if job:
             p.add_argument("name", help="job name")
@@ -336,14 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_logs)
 
     add("checkpoint", "checkpoint a running job; it keeps running").set_defaults(func=cmd_checkpoint)
-    add("hibernate", "checkpoint a running job, then stop it, freeing its memory").set_defaults(func=cmd_hibernate)
+    add("hibernate", "checkpoint a running job, then stop it, freeing its memory").set_defaults(
+        func=cmd_hibernate
+    )
 
     p = add("resume", "restore a job from its latest checkpoint")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.set_defaults(func=cmd_resume)
 
     p = add("restore", "restore a job from a given checkpoint (roll back)")
-    p.add_argument("--from", dest="from_", required=True, metavar="CHECKPOINT_ID", help="checkpoint id or prefix")
+    p.add_argument(
+        "--from", dest="from_", required=True, metavar="CHECKPOINT_ID", help="checkpoint id or prefix"
+    )
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.set_defaults(func=cmd_restore)
 
@@ -359,9 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.set_defaults(func=cmd_rm)
 
-    add("doctor", "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU", job=False).set_defaults(
-        func=None
-    )
+    add(
+        "doctor", "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU", job=False
+    ).set_defaults(func=None)
     return parser
 
 
@@ -390,4 +417,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

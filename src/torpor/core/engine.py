@@ -86,7 +86,9 @@ class Context:
                     f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"
                 ) from exc
         if not os.access(settings.home, os.W_OK):
-            raise EnvironmentProblem(f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME")
+            raise EnvironmentProblem(
+                f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME"
+            )
         self.records = Records(settings.db_path)
         self.store: ImageStore = open_store(settings.images_dir)
 
@@ -104,7 +106,12 @@ class Context:
 
 
 def checkpoint_in_launcher(
-    ctx: Context, name: str, pid: int, hibernate: bool, launcher: Launcher, send: Callable[[dict[str, Any]], None]
+    ctx: Context,
+    name: str,
+    pid: int,
+    hibernate: bool,
+    launcher: Launcher,
+    send: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock."""
 
@@ -172,7 +179,9 @@ def checkpoint_in_launcher(
                 exc.details.append(f"torpor resumed {len(woken)} process(es) left stopped")
             exc.details.append("the job is still running")
         elif not isinstance(exc, JobExited):
-            raise JobExited(f"the job ended during its checkpoint: {exc.message}", details=exc.details) from exc
+            raise JobExited(
+                f"the job ended during its checkpoint: {exc.message}", details=exc.details
+            ) from exc
         raise
     if hibernate:
         records.set_fields(name, pid=None, ended_at=time.time(), message=f"hibernated as {checkpoint_id}")
@@ -286,7 +295,8 @@ class Engine:
             process.wait(timeout=timeout)
             tail = log.read_text(errors="replace").splitlines()[-8:]
             raise TorporError(
-                f"the launcher for '{spec['job']}' died before reporting (exit {process.returncode})", details=tail
+                f"the launcher for '{spec['job']}' died before reporting (exit {process.returncode})",
+                details=tail,
             )
         report: dict[str, Any] = json.loads(line)
         if not report.get("ok"):
@@ -300,7 +310,11 @@ class Engine:
 
     def reconcile(self, job: Job) -> Job:
         """Mark a job whose launcher vanished (killed, machine rebooted) as failed."""
-        if job.state in LIVE_STATES | {JobState.RESTORING} and job.launcher_pid and not system.is_alive(job.launcher_pid):
+        if (
+            job.state in LIVE_STATES | {JobState.RESTORING}
+            and job.launcher_pid
+            and not system.is_alive(job.launcher_pid)
+        ):
             if job.pid and system.is_alive(job.pid):
                 message = "its launcher died; the job runs unsupervised (stop it with kill)"
             else:
@@ -331,11 +345,15 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         if job.state != JobState.RUNNING:
             verb = "hibernate" if hibernate else "checkpoint"
-            hint = f"; resume it first with 'torpor resume {name}'" if job.state == JobState.HIBERNATED else ""
+            hint = (
+                f"; resume it first with 'torpor resume {name}'" if job.state == JobState.HIBERNATED else ""
+            )
             raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
         self.ctx.criu.require()
         reply = control.call(
-            self.settings.socket_path(name), {"op": "checkpoint", "hibernate": hibernate}, on_progress=progress
+            self.settings.socket_path(name),
+            {"op": "checkpoint", "hibernate": hibernate},
+            on_progress=progress,
         )
         checkpoint = reply["checkpoint"]
         return Checkpoint(**checkpoint)
@@ -349,7 +367,9 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         checkpoint = self.records.find_checkpoint(name, ref) if ref else self.records.latest_checkpoint(name)
         if checkpoint is None:
-            raise CheckpointNotFound(f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')")
+            raise CheckpointNotFound(
+                f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')"
+            )
         if job.state in LIVE_STATES or job.state == JobState.RESTORING:
             if not force or job.state not in LIVE_STATES:
                 raise WrongState(
@@ -363,9 +383,15 @@ class Engine:
         previous = self.records.transition(name, RESTORABLE_STATES, JobState.RESTORING)
         image_dir = self.settings.tmp_dir / f"restore-{checkpoint.id}-{uuid.uuid4().hex[:6]}"
         try:
-            if previous.pid and not system.wait_gone(previous.pid, previous.pid_ticks, self.settings.pid_wait_s):
-                raise RestoreFailed(f"the previous processes of '{name}' (pid {previous.pid}) are still running")
-            progress(f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying")
+            if previous.pid and not system.wait_gone(
+                previous.pid, previous.pid_ticks, self.settings.pid_wait_s
+            ):
+                raise RestoreFailed(
+                    f"the previous processes of '{name}' (pid {previous.pid}) are still running"
+                )
+            progress(
+                f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
+            )
             self.ctx.store.get(checkpoint.id, image_dir)
             progress("restoring with criu")
             self._spawn_launcher(
@@ -420,7 +446,7 @@ class Engine:
             if not force or job.state == JobState.RESTORING:
                 raise WrongState(f"job '{name}' is {job.state}; stop it first or pass --force")
             self.stop(name, grace_s=0)
-        removed = []
+        removed: list[str] = []
         for checkpoint in self.records.checkpoints(name):
             self.ctx.store.delete(checkpoint.id)
             removed.append(checkpoint.id)
@@ -434,4 +460,6 @@ class Engine:
 
 def _check_name(name: str) -> None:
     if not name or len(name) > 64 or not all(ch.isalnum() or ch in "-_." for ch in name) or name[0] in ".-":
-        raise UsageError(f"bad job name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'")
+        raise UsageError(
+            f"bad job name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+        )

@@ -112,7 +112,9 @@ class Launcher:
 
     def restore_job(self) -> int:
         assert self.spec.image_dir and self.spec.checkpoint_id
-        return engine.restore_into_launcher(self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id)
+        return engine.restore_into_launcher(
+            self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id
+        )
 
     # -- serving ------------------------------------------------------------------------------------
 
@@ -207,7 +209,9 @@ class Launcher:
             with self.lock:
                 if self.pid is None or not system.is_alive(self.pid):
                     raise JobExited(f"job '{self.job.name}' is not running")
-                result = engine.checkpoint_in_launcher(self.ctx, self.job.name, self.pid, hibernate, self, send)
+                result = engine.checkpoint_in_launcher(
+                    self.ctx, self.job.name, self.pid, hibernate, self, send
+                )
             return {"ok": True, "checkpoint": result}
         return {"ok": False, "error": "UsageError", "message": f"unknown request {op!r}", "details": []}
 
@@ -237,7 +241,12 @@ class _Handler(socketserver.StreamRequestHandler):
         except TorporError as exc:
             reply = {"ok": False, **exc.to_dict()}
         except Exception as exc:  # a bug: report it rather than leave the client hanging
-            reply = {"ok": False, "error": "TorporError", "message": f"internal error: {exc!r}", "details": []}
+            reply = {
+                "ok": False,
+                "error": "TorporError",
+                "message": f"internal error: {exc!r}",
+                "details": [],
+            }
             print(f"launcher: internal error handling a request: {exc!r}", file=sys.stderr, flush=True)
         send(reply)
 

@@ -116,7 +116,8 @@ class Records:
             with self._connect() as db:
                 db.executescript(_SCHEMA)
                 db.execute(
-                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
                 )
                 version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
         except (sqlite3.OperationalError, PermissionError, OSError) as exc:
@@ -157,7 +158,9 @@ class Records:
     def create_job(self, name: JobName, command: list[str], cwd: str, log_path: str) -> Job:
         with self.transaction() as db:
             if db.execute("SELECT 1 FROM jobs WHERE name=?", (name,)).fetchone():
-                raise UsageError(f"a job named '{name}' already exists: pick another --name or 'torpor rm {name}'")
+                raise UsageError(
+                    f"a job named '{name}' already exists: pick another --name or 'torpor rm {name}'"
+                )
             db.execute(
                 "INSERT INTO jobs(name, command, cwd, state, log_path, created_at) VALUES (?,?,?,?,?,?)",
                 (name, json.dumps(command), cwd, JobState.STARTING, log_path, time.time()),
@@ -176,14 +179,25 @@ class Records:
             rows = db.execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
         return [_job(row) for row in rows]
 
-    def transition(self, name: str, expected: frozenset[JobState] | set[JobState], new: JobState, **fields: object) -> Job:
+    def transition(
+        self, name: str, expected: frozenset[JobState] | set[JobState], new: JobState, **fields: object
+    ) -> Job:
         """Move ``name`` to ``new`` (and set ``fields``) only if it is in one of ``expected``.
 
         Returns the job as it was before; raises :class:`WrongState` if it was in another state.
         """
         from torpor.errors import WrongState
 
-        allowed = {"pid", "pid_ticks", "launcher_pid", "started_at", "ended_at", "exit_code", "message", "restored_from"}
+        allowed = {
+            "pid",
+            "pid_ticks",
+            "launcher_pid",
+            "started_at",
+            "ended_at",
+            "exit_code",
+            "message",
+            "restored_from",
+        }
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown job fields {unknown}")
@@ -238,7 +252,9 @@ class Records:
             if job is None:
                 rows = db.execute("SELECT * FROM checkpoints ORDER BY created_at").fetchall()
             else:
-                rows = db.execute("SELECT * FROM checkpoints WHERE job=? ORDER BY created_at", (job,)).fetchall()
+                rows = db.execute(
+                    "SELECT * FROM checkpoints WHERE job=? ORDER BY created_at", (job,)
+                ).fetchall()
         return [_checkpoint(row) for row in rows]
 
     def latest_checkpoint(self, job: str) -> Checkpoint | None:
@@ -254,8 +270,12 @@ class Records:
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            raise CheckpointNotFound(f"job '{job}' has no checkpoint '{ref}' (see 'torpor checkpoints {job}')")
-        raise CheckpointNotFound(f"'{ref}' matches {len(matches)} checkpoints of '{job}': give more of the id")
+            raise CheckpointNotFound(
+                f"job '{job}' has no checkpoint '{ref}' (see 'torpor checkpoints {job}')"
+            )
+        raise CheckpointNotFound(
+            f"'{ref}' matches {len(matches)} checkpoints of '{job}': give more of the id"
+        )
 
     def delete_checkpoint(self, checkpoint_id: str) -> None:
         with self.transaction() as db:

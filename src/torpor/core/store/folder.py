@@ -118,7 +118,13 @@ class FolderStore:
                 size = entry.stat().st_size
                 files[entry.name] = {"size": size, "blake3": _hash_file(entry)}
                 total += size
-            manifest = {"format": FORMAT, "version": FORMAT_VERSION, "job": job, "id": checkpoint_id, "files": files}
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "job": job,
+                "id": checkpoint_id,
+                "files": files,
+            }
             _write_atomic(partial / "manifest.json", json.dumps(manifest, indent=1).encode())
             os.rename(partial, final)
             _fsync_dir(self.root)
