@@ -20,5 +20,6 @@ echo "setup: installing torpor and its tools into .venv"
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e '.[dev,torch]'
 bash scripts/install-criu.sh .venv
+bash scripts/install-slurm.sh
 touch .venv/.setup-done
 echo "setup: done; the CLI is .venv/bin/torpor"
