@@ -23,13 +23,10 @@ from torpor.errors import (
 
 MIN_VERSION = (4, 2)
 
-#: options used for every dump and restore of a job (see DESIGN.md: iptables is missing here, nftables works)
-COMMON_OPTIONS: tuple[str, ...] = (
-    "--tcp-established",
-    "--network-lock",
-    "nftables",
-    "--file-locks",
-)
+#: options used for every dump and restore of a job: keep TCP connections and file locks
+COMMON_OPTIONS: tuple[str, ...] = ("--tcp-established", "--file-locks")
+#: dump only (restore takes the method from the image): iptables is missing here, nftables works
+DUMP_OPTIONS: tuple[str, ...] = ("--network-lock", "nftables")
 #: deleted files still open or mapped (e.g. DataLoader shared memory in /dev/shm) are kept up to this size
 GHOST_LIMIT = "1G"
 
@@ -65,7 +62,15 @@ def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
     lines = [line for line in lines if not _NOISE.search(line)]
     errors = [line.strip() for line in lines if _ERROR_LINE.search(line)]
     chosen = errors if errors else [line.strip() for line in lines[-limit:]]
-    return chosen[-limit:]
+    # the same complaint repeated for every image file says nothing new: keep its first occurrence
+    seen: set[str] = set()
+    unique = []
+    for line in chosen:
+        key = line.split(")", 1)[-1]
+        if key not in seen:
+            seen.add(key)
+            unique.append(line)
+    return unique[-limit:]
 
 
 class Criu:
@@ -156,6 +161,7 @@ class Criu:
             str(log_path),
             "-v4",
             *COMMON_OPTIONS,
+            *DUMP_OPTIONS,
             "--ghost-limit",
             GHOST_LIMIT,
             *extra,
@@ -168,7 +174,8 @@ class Criu:
             text = "\n".join(details)
             if "No space left on device" in text or "ENOSPC" in text:
                 raise StorageFull(
-                    f"no space left while dumping into {images_dir}: free space or move TORPOR_HOME",
+                    f"no space left on the device of {images_dir.parent} while dumping: free space there"
+                    " or move TORPOR_HOME",
                     details=details,
                 )
             if not Path(f"/proc/{pid}").exists():
@@ -208,7 +215,13 @@ class Criu:
         out = self._run(args, timeout=3600)
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
-            raise RestoreFailed(f"criu restore failed (exit status {out.returncode})", details=details)
+            message = f"criu restore failed (exit status {out.returncode})"
+            if any("Address already in use" in line for line in details):
+                message += (
+                    ": a TCP port the job used is still taken (after a kill the kernel holds it up to 60 s"
+                    " in TIME_WAIT, or another process has it); retry later"
+                )
+            raise RestoreFailed(message, details=details)
         try:
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as exc:

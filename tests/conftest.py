@@ -1,0 +1,97 @@
+"""Shared fixtures: an isolated torpor state directory and a way to run the real CLI against it.
+
+Tests drive the installed ``torpor`` command in a subprocess (as a user would) with ``TORPOR_HOME``
+pointing at a temporary folder, and clean up every job they started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TORPOR = str(Path(sys.executable).parent / "torpor")
+JOBS = Path(__file__).parent / "jobs"
+
+
+def criu_works() -> bool:
+    criu = Path(sys.executable).parent / "criu"
+    if not criu.exists() or os.geteuid() != 0:
+        return False
+    return subprocess.run([str(criu), "check"], capture_output=True, check=False).returncode == 0
+
+
+CRIU_OK = criu_works()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if CRIU_OK:
+        return
+    skip = pytest.mark.skip(reason="needs root and a working CRIU (run 'make setup')")
+    for item in items:
+        if "criu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass
+class Torpor:
+    home: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [TORPOR, *args], capture_output=True, text=True, env=self.env, timeout=timeout, check=False
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"torpor {' '.join(args)} exited {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+            )
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.run(*args, "--json").stdout)
+
+    def job(self, name: str) -> dict[str, Any]:
+        jobs = {job["name"]: job for job in self.json("ps")}
+        return dict(jobs[name])
+
+    def log(self, name: str) -> str:
+        return self.run("logs", name).stdout
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 60, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def wait_log(self, name: str, text: str, timeout: float = 60) -> str:
+        self.wait_for(lambda: text in self.log(name), timeout, f"{text!r} in the log of {name}")
+        return self.log(name)
+
+    def wait_state(self, name: str, *states: str, timeout: float = 60) -> dict[str, Any]:
+        self.wait_for(lambda: self.job(name)["state"] in states, timeout, f"{name} to be {states}")
+        return self.job(name)
+
+
+@pytest.fixture
+def torpor(tmp_path: Path) -> Iterator[Torpor]:
+    home = tmp_path / "home"
+    env = {**os.environ, "TORPOR_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    instance = Torpor(home, env)
+    yield instance
+    if home.exists():
+        for job in json.loads(instance.run("ps", "--json", check=False).stdout or "[]"):
+            instance.run("rm", "--force", job["name"], check=False)
+
+
+def python_job(script: str, *args: str) -> list[str]:
+    return ["--", sys.executable, "-u", str(JOBS / script), *args]

@@ -1,0 +1,196 @@
+"""Bad input and faults: each gives a one-line error and a non-zero exit status, loses nothing, and never
+leaves the job frozen (DESIGN.md invariants 1, 3 and 5).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import TORPOR, Torpor, python_job
+
+from torpor.adapters import system
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("torpor: error: ")]
+    assert len(errors) == 1 and text in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def assert_running_not_frozen(torpor: Torpor, name: str) -> None:
+    job = torpor.job(name)
+    assert job["state"] == "running", job
+    pids = system.namespace_members(job["pid"])
+    assert pids and all(system.process_state(pid) not in ("T", "t") for pid in pids)
+    before = torpor.log(name).count("\n")
+    torpor.wait_for(lambda: torpor.log(name).count("\n") > before + 2, what=f"{name} to make progress")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount  # type: ignore[misc]
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_unknown_job(torpor: Torpor) -> None:
+    for command in (["checkpoint", "nope"], ["resume", "nope"], ["logs", "nope"], ["rm", "nope"], ["stop", "nope"]):
+        assert_one_line_error(torpor.run(*command, check=False), 2, "no job named 'nope'")
+
+
+def test_bad_names_and_commands(torpor: Torpor) -> None:
+    assert_one_line_error(torpor.run("run", "--name", "../x", "--", "true", check=False), 2, "bad job name")
+    assert_one_line_error(torpor.run("run", "--", "no-such-program-xyz", check=False), 2, "command not found")
+    assert_one_line_error(torpor.run("run", check=False), 2, "no command given")
+
+
+@pytest.mark.criu
+def test_wrong_states(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "w", *python_job("counter.py"))
+    torpor.wait_log("w", "step 2")
+    assert_one_line_error(torpor.run("resume", "w", check=False), 2, "no checkpoint")
+    torpor.run("checkpoint", "w")
+    assert_one_line_error(torpor.run("resume", "w", check=False), 2, "is running")
+    assert_one_line_error(torpor.run("rm", "w", check=False), 2, "is running")
+    assert_one_line_error(torpor.run("restore", "w", "--from", "zzz", check=False), 2, "no checkpoint 'zzz'")
+    torpor.run("hibernate", "w")
+    assert_one_line_error(torpor.run("checkpoint", "w", check=False), 2, "it is hibernated")
+    assert_one_line_error(torpor.run("hibernate", "w", check=False), 2, "it is hibernated")
+    assert_one_line_error(torpor.run("stop", "w", check=False), 2, "not running")
+    # a duplicate name is refused and the existing job is untouched
+    assert_one_line_error(torpor.run("run", "--name", "w", "--", "true", check=False), 2, "already exists")
+    assert torpor.job("w")["state"] == "hibernated"
+
+
+@pytest.mark.criu
+def test_two_resumes_at_once_one_wins(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "r", *python_job("counter.py"))
+    torpor.wait_log("r", "step 2")
+    torpor.run("hibernate", "r")
+    procs = [
+        subprocess.Popen([TORPOR, "resume", "r"], env=torpor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [(p.communicate(timeout=60)[1], p.returncode) for p in procs]
+    codes = sorted(code for _, code in results)
+    assert codes == [0, 2], results
+    assert torpor.job("r")["state"] == "running"
+
+
+def test_criu_missing_or_too_old(torpor: Torpor, tmp_path: Path) -> None:
+    env = {**torpor.env, "TORPOR_CRIU": str(tmp_path / "no-criu")}
+    missing = Torpor(torpor.home, env).run("doctor", check=False)
+    assert missing.returncode == 3 and "no-criu" in missing.stdout and "cannot checkpoint here" in missing.stdout
+    old = tmp_path / "old-criu"
+    old.write_text("#!/bin/sh\necho 'Version: 3.17'\n")
+    old.chmod(0o755)
+    too_old = Torpor(torpor.home, {**torpor.env, "TORPOR_CRIU": str(old)})
+    result = too_old.run("doctor", "--json", check=False)
+    assert result.returncode == 3 and "too old" in result.stdout
+
+
+@pytest.mark.criu
+def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(torpor: Torpor, tmp_path: Path) -> None:
+    torpor.run("run", "--name", "old", *python_job("counter.py"))
+    torpor.wait_log("old", "step 2")
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
+    fake.chmod(0o755)
+    result = Torpor(torpor.home, {**torpor.env, "TORPOR_CRIU": str(fake)}).run("checkpoint", "old", check=False)
+    assert_one_line_error(result, 3, "too old")
+    missing = {**torpor.env, "TORPOR_CRIU": str(tmp_path / "none")}
+    result = Torpor(torpor.home, missing).run("hibernate", "old", check=False)
+    assert_one_line_error(result, 3, "run 'make setup'")
+    assert_running_not_frozen(torpor, "old")
+
+
+def test_state_directory_not_writable(torpor: Torpor, tmpfs: object) -> None:
+    readonly = tmpfs("ro", "ro,size=1m")  # type: ignore[operator]
+    home = Torpor(readonly / "home", {**torpor.env, "TORPOR_HOME": str(readonly / "home")})
+    assert_one_line_error(home.run("ps", check=False), 3, "set TORPOR_HOME")
+    assert_one_line_error(home.run("run", "--", "true", check=False), 3, "set TORPOR_HOME")
+
+
+@pytest.mark.criu
+def test_disk_full_while_dumping(torpor: Torpor, tmpfs: object) -> None:
+    small = tmpfs("small", "size=24m")  # type: ignore[operator]
+    full = Torpor(small / "home", {**torpor.env, "TORPOR_HOME": str(small / "home")})
+    full.run("run", "--name", "big", *python_job("memory_hog.py", "64"))
+    full.wait_log("big", "step 1")
+    try:
+        result = full.run("checkpoint", "big", check=False)
+        assert_one_line_error(result, 6, "no space left")
+        assert_running_not_frozen(full, "big")
+        assert full.json("checkpoints") == []
+        assert [p.name for p in (small / "home" / "images").iterdir()] == []
+        result = full.run("hibernate", "big", check=False)
+        assert_one_line_error(result, 6, "no space left")
+        assert_running_not_frozen(full, "big")
+    finally:
+        full.run("rm", "--force", "big", check=False)
+
+
+@pytest.mark.criu
+def test_dump_failure_leaves_job_running_and_shows_criu_log(torpor: Torpor, tmp_path: Path) -> None:
+    path = str(tmp_path / "outside.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    try:
+        torpor.run("run", "--name", "ext", *python_job("external_unix.py", path))
+        torpor.wait_log("ext", "step 2")
+        for verb in ("checkpoint", "hibernate"):
+            result = torpor.run(verb, "ext", check=False)
+            assert_one_line_error(result, 4, "criu dump failed")
+            assert "Error (" in result.stderr  # the CRIU log lines that explain it
+            assert "the job is still running" in result.stderr
+            assert_running_not_frozen(torpor, "ext")
+        assert torpor.json("checkpoints") == []
+    finally:
+        torpor.run("rm", "--force", "ext", check=False)
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+@pytest.mark.criu
+@pytest.mark.slow
+def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "dies", *python_job("memory_hog.py", "1500"))
+    torpor.wait_log("dies", "step 1", timeout=120)
+    pid = torpor.job("dies")["pid"]
+    proc = subprocess.Popen(
+        [TORPOR, "checkpoint", "dies"], env=torpor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    assert "dumping" in proc.stderr.readline()
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 4, stderr
+    assert stderr.startswith("torpor: error: ") and "Traceback" not in stderr
+    job = torpor.wait_state("dies", "failed")
+    assert job["exit_code"] == 128 + 9
+    assert torpor.json("checkpoints") == []

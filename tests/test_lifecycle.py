@@ -1,0 +1,118 @@
+"""The job lifecycle end to end with real CRIU: run, ps, logs, checkpoint, hibernate, resume, restore,
+stop, rm — and the job shapes that must survive it (threads, a child, an open file, a TCP connection).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import Torpor, python_job
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
+
+
+def last_step(log: str) -> int:
+    return max(int(n) for n in re.findall(r"^step (\d+)$", log, re.M))
+
+
+def test_run_returns_and_ps_shows_the_job(torpor: Torpor) -> None:
+    out = torpor.run("run", "--name", "count", *python_job("counter.py")).stdout
+    assert "started job 'count'" in out
+    torpor.wait_log("count", "step 3")
+    job = torpor.job("count")
+    assert job["state"] == "running"
+    assert job["pid"] and job["rss_bytes"] > 1 << 20
+    assert job["launcher_pid"] != os.getpid()
+    table = torpor.run("ps").stdout
+    assert re.search(r"^count\s+running\s+\d+\s+[\d.]+ MiB", table, re.M)
+
+
+def test_job_that_exits_is_reported_with_its_exit_code(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "quits", *python_job("counter.py", "7"))
+    job = torpor.wait_state("quits", "exited")
+    assert job["exit_code"] == 7
+    assert "step 4" in torpor.log("quits")
+    assert re.search(r"^quits\s+exited \(7\)", torpor.run("ps").stdout, re.M)
+
+
+def test_checkpoint_hibernate_resume_restore(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "c", *python_job("counter.py"))
+    torpor.wait_log("c", "step 5")
+    first = torpor.json("checkpoint", "c")
+    assert first["job"] == "c" and first["size_bytes"] > 0 and first["freeze_s"] > 0
+    step_at_first = last_step(torpor.log("c"))
+    torpor.wait_log("c", f"step {step_at_first + 5}")
+
+    hib = torpor.json("hibernate", "c")
+    assert hib["kind"] == "hibernate" and hib["freed_rss_bytes"] > 0
+    job = torpor.job("c")
+    assert job["state"] == "hibernated" and job["pid"] is None and job["rss_bytes"] is None
+    step_at_hibernate = last_step(torpor.log("c"))
+
+    resumed = torpor.json("resume", "c")
+    assert resumed["checkpoint"] == hib["id"]
+    torpor.wait_log("c", f"step {step_at_hibernate + 3}")
+    log = torpor.log("c")
+    # resumed exactly where it stopped: the step after the hibernation comes next, once
+    assert log.count(f"step {step_at_hibernate + 1}\n") == 1
+
+    # roll back to the first checkpoint: refused while running, then forced
+    refused = torpor.run("restore", "c", "--from", first["id"][:6], check=False)
+    assert refused.returncode == 2 and "running" in refused.stderr
+    torpor.run("restore", "c", "--from", first["id"][:6], "--force")
+    torpor.wait_for(lambda: torpor.log("c").count(f"step {step_at_first + 2}\n") == 2, what="replayed steps")
+    assert torpor.job("c")["restored_from"] == first["id"]
+
+    # a restored job checkpoints, hibernates and resumes like a fresh one
+    torpor.run("hibernate", "c")
+    torpor.run("resume", "c")
+    torpor.wait_state("c", "running")
+    listing = torpor.json("checkpoints", "c")
+    assert [c["kind"] for c in listing] == ["checkpoint", "hibernate", "hibernate"]
+    assert listing[1]["parent"] == first["id"]
+
+    removed = torpor.run("rm", "c", "--force").stdout
+    assert "3 checkpoint(s)" in removed
+    assert torpor.json("ps") == []
+
+
+def test_job_with_threads_child_file_and_tcp_survives_twice(torpor: Torpor, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    torpor.run("run", "--name", "cx", *python_job("complex_job.py", str(data)))
+    torpor.wait_log("cx", "messages")
+    for round_ in range(2):
+        torpor.run("checkpoint", "cx")
+        before = torpor.log("cx").count("\n")
+        torpor.wait_for(lambda b=before: torpor.log("cx").count("\n") > b + 3, what="progress after checkpoint")
+        torpor.run("hibernate", "cx")
+        assert torpor.job("cx")["state"] == "hibernated"
+        lines_at_hibernate = torpor.log("cx").count("\n")
+        torpor.run("resume", "cx")
+        torpor.wait_for(
+            lambda n=lines_at_hibernate: torpor.log("cx").count("\n") > n + 5, what=f"progress after resume {round_}"
+        )
+    log = torpor.log("cx")
+    assert "ERROR" not in log
+    assert torpor.job("cx")["state"] == "running"
+    numbers = [int(m) for m in re.findall(r"^messages (\d+)", log, re.M)]
+    assert numbers == sorted(numbers) and numbers[-1] > numbers[0]
+    threads = re.findall(r"threads (\d+) (\d+)", log)
+    assert int(threads[-1][0]) > int(threads[0][0]) and int(threads[-1][1]) > int(threads[0][1])
+    # the file the job keeps writing went on growing across the restores, with no gaps
+    written = data.read_text().splitlines()
+    assert written and [int(line.split()[1]) for line in written] == sorted(int(line.split()[1]) for line in written)
+    assert len(written) >= len(numbers) - 1
+
+
+def test_stop_then_resume_from_latest(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "s", *python_job("counter.py"))
+    torpor.wait_log("s", "step 3")
+    ckpt = torpor.json("checkpoint", "s")
+    torpor.run("stop", "s", "--timeout", "0.5")
+    job = torpor.job("s")
+    assert job["state"] == "failed" and job["exit_code"] == 128 + 9
+    torpor.run("resume", "s")
+    assert torpor.job("s")["restored_from"] == ckpt["id"]
