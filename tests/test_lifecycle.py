@@ -116,3 +116,26 @@ def test_stop_then_resume_from_latest(torpor: Torpor) -> None:
     assert job["state"] == "failed" and job["exit_code"] == 128 + 9
     torpor.run("resume", "s")
     assert torpor.job("s")["restored_from"] == ckpt["id"]
+
+
+def test_resume_after_kill_rewinds_files_the_job_writes(torpor: Torpor, tmp_path: Path) -> None:
+    """CRIU refuses a file whose size changed since the checkpoint; torpor cuts it back and keeps the rest."""
+    data = tmp_path / "metrics.txt"
+    torpor.run("run", "--name", "wr", *python_job("writer.py", str(data)))
+    torpor.wait_log("wr", "step 5")
+    torpor.run("checkpoint", "wr")
+    size_at_checkpoint_max = data.stat().st_size
+    torpor.wait_log("wr", "step 30")
+    torpor.run("stop", "wr", "--timeout", "0")
+    grown = data.read_text()
+    result = torpor.run("resume", "wr")
+    assert "rewound 1 file" in result.stderr
+    torpor.wait_log("wr", "step 40")
+    lines = data.read_text().splitlines()
+    assert lines == [f"line {i}" for i in range(len(lines))], "the file has gaps or repeats"
+    saved = list((torpor.home / "jobs" / "wr" / "rewound").rglob("*"))
+    saved_files = [p for p in saved if p.is_file()]
+    assert len(saved_files) == 1
+    cut = int(saved_files[0].name.rsplit("-", 1)[1])
+    assert cut <= size_at_checkpoint_max
+    assert grown[:cut] + saved_files[0].read_text() == grown

@@ -47,6 +47,15 @@ class DumpStats:
 
 
 @dataclass(frozen=True)
+class OpenFile:
+    """A regular file the dumped tree had open, as recorded in ``files.img``."""
+
+    path: str
+    writable: bool
+    size: int | None  # CRIU checks this size on restore; None when it does not (e.g. O_APPEND logs)
+
+
+@dataclass(frozen=True)
 class CriuInfo:
     path: Path
     version: str
@@ -267,6 +276,47 @@ def _fields(buf: bytes) -> dict[int, int | bytes]:
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
     return out
+
+
+def _records(raw: bytes, header: int = 8) -> list[bytes]:
+    """The protobuf records of an image (after its magic words)."""
+    out = []
+    pos = header
+    while pos + 4 <= len(raw):
+        size = int.from_bytes(raw[pos : pos + 4], "little")
+        out.append(raw[pos + 4 : pos + 4 + size])
+        pos += 4 + size
+    return out
+
+
+_FD_TYPE_REG = 1
+_O_ACCMODE = 3
+
+
+def open_files(images_dir: Path) -> list[OpenFile]:
+    """Regular files in ``files.img`` (FileEntry{type, id, reg=RegFileEntry{flags=2, name=6, size=8}})."""
+    try:
+        raw = (images_dir / "files.img").read_bytes()
+    except OSError:
+        return []
+    found = []
+    for record in _records(raw):
+        entry = _fields(record)
+        reg = entry.get(3)
+        if entry.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
+            continue
+        fields = _fields(reg)
+        name, flags, size = fields.get(6), fields.get(2, 0), fields.get(8)
+        if not isinstance(name, bytes) or not isinstance(flags, int):
+            continue
+        found.append(
+            OpenFile(
+                path=name.decode(errors="surrogateescape"),
+                writable=(flags & _O_ACCMODE) != 0,
+                size=size if isinstance(size, int) else None,
+            )
+        )
+    return found
 
 
 def read_dump_stats(images_dir: Path) -> DumpStats:

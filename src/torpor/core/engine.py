@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu
+from torpor.adapters.criu import Criu, open_files
 from torpor.core import control
 from torpor.core.records import (
     LIVE_STATES,
@@ -225,6 +226,41 @@ def restore_into_launcher(ctx: Context, job: Job, image_dir: Path, checkpoint_id
         shutil.rmtree(image_dir, ignore_errors=True)
 
 
+def rewind_written_files(image_dir: Path, keep_dir: Path) -> list[str]:
+    """Bring files the job had open for writing back to their size at the checkpoint.
+
+    CRIU refuses to restore when such a file's size changed ("bad size"), which is the normal case after
+    rolling back, or resuming a job that kept running after its checkpoint. A file that grew is cut
+    back to its checkpoint size — the job rewrites what follows — and the bytes cut off are saved under
+    ``keep_dir``, so nothing is lost. A file that shrank cannot be made consistent: that is an error.
+    """
+    rewound = []
+    for entry in open_files(image_dir):
+        if not entry.writable or entry.size is None:
+            continue
+        path = Path(entry.path if entry.path.startswith("/") else "/" + entry.path)
+        try:
+            current = path.stat()
+        except FileNotFoundError:
+            continue  # CRIU explains a missing file itself
+        if not stat.S_ISREG(current.st_mode) or current.st_size == entry.size:
+            continue
+        if current.st_size < entry.size:
+            raise RestoreFailed(
+                f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {entry.size} "
+                "bytes): it was truncated or replaced, so the job cannot be restored consistently"
+            )
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{entry.size}")
+        with open(path, "r+b") as handle:
+            handle.seek(entry.size)
+            with open(saved, "ab") as out:
+                shutil.copyfileobj(handle, out)
+            handle.truncate(entry.size)
+        rewound.append(str(path))
+    return rewound
+
+
 # -- from the CLI ----------------------------------------------------------------------------------
 
 
@@ -393,6 +429,12 @@ class Engine:
                 f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
             )
             self.ctx.store.get(checkpoint.id, image_dir)
+            rewound = rewind_written_files(image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id)
+            if rewound:
+                progress(
+                    f"rewound {len(rewound)} file(s) the job writes to their size at the checkpoint "
+                    f"(later bytes saved under {self.settings.job_dir(name) / 'rewound'})"
+                )
             progress("restoring with criu")
             self._spawn_launcher(
                 {
