@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TORPOR, Torpor, python_job
 
+from conftest import TORPOR, Torpor, python_job
 from torpor.adapters import system
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from conftest import Torpor, python_job
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
