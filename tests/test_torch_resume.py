@@ -67,3 +67,24 @@ def test_checkpoint_kill_resume_and_rollback_match_uninterrupted_run(
     log = torpor.log("train")
     assert log.count("done") == 2
     assert_matches(log, reference)
+
+
+def test_dataloader_workers_job_resumed_after_kill_matches(torpor: Torpor) -> None:
+    epochs = "6"
+    out = subprocess.run(
+        [sys.executable, "-u", str(JOBS / "train_dataloader.py"), epochs],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    reference = dict(losses(out))
+    torpor.run("run", "--name", "dl", *python_job("train_dataloader.py", epochs, "0.05"))
+    torpor.wait_log("dl", "step 105 ", timeout=120)
+    torpor.run("checkpoint", "dl")
+    torpor.wait_log("dl", "step 200 ", timeout=120)
+    torpor.run("stop", "dl", "--timeout", "0")
+    torpor.run("resume", "dl")
+    torpor.wait_state("dl", "exited", timeout=120)
+    log = torpor.log("dl")
+    assert torpor.job("dl")["exit_code"] == 0, log[-2000:]
+    assert_matches(log, reference)

@@ -290,18 +290,35 @@ def _records(raw: bytes, header: int = 8) -> list[bytes]:
 
 
 _FD_TYPE_REG = 1
+_FD_TYPE_UNIXSK = 5
 _O_ACCMODE = 3
 
 
-def open_files(images_dir: Path) -> list[OpenFile]:
-    """Regular files in ``files.img`` (FileEntry{type, id, reg=RegFileEntry{flags=2, name=6, size=8}})."""
+def _file_entries(images_dir: Path) -> list[dict[int, int | bytes]]:
     try:
         raw = (images_dir / "files.img").read_bytes()
     except OSError:
         return []
+    return [_fields(record) for record in _records(raw)]
+
+
+def unix_socket_paths(images_dir: Path) -> list[str]:
+    """Filesystem paths of the unix sockets the tree had bound (FileEntry.usk=16, UnixSkEntry.name=11)."""
+    paths = []
+    for entry in _file_entries(images_dir):
+        usk = entry.get(16)
+        if entry.get(1) != _FD_TYPE_UNIXSK or not isinstance(usk, bytes):
+            continue
+        name = _fields(usk).get(11)
+        if isinstance(name, bytes) and name.startswith(b"/"):
+            paths.append(name.rstrip(b"\0").decode(errors="surrogateescape"))
+    return paths
+
+
+def open_files(images_dir: Path) -> list[OpenFile]:
+    """Regular files in ``files.img`` (FileEntry{type, id, reg=RegFileEntry{flags=2, name=6, size=8}})."""
     found = []
-    for record in _records(raw):
-        entry = _fields(record)
+    for entry in _file_entries(images_dir):
         reg = entry.get(3)
         if entry.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
             continue

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu, open_files
+from torpor.adapters.criu import Criu, open_files, unix_socket_paths
 from torpor.core import control
 from torpor.core.records import (
     LIVE_STATES,
@@ -91,7 +91,7 @@ class Context:
                 f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME"
             )
         self.records = Records(settings.db_path)
-        self.store: ImageStore = open_store(settings.images_dir)
+        self.store: ImageStore = open_store(settings)
 
     @cached_property
     def criu(self) -> Criu:
@@ -131,9 +131,10 @@ def checkpoint_in_launcher(
     staging: Path | None = None
     committed = False
     try:
-        staging = ctx.store.staging_dir(checkpoint_id)
+        rss = system.rss_bytes(pids)
+        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss)
         ctx.gpu.before_dump(pids)
-        progress(f"dumping {len(pids)} process(es), {system.rss_bytes(pids) / 2**20:.0f} MiB resident")
+        progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
         dump_started = time.monotonic()
         try:
             stats = ctx.criu.dump(
@@ -150,7 +151,20 @@ def checkpoint_in_launcher(
         freeze_s = stats.frozen_s or dump_s
         progress(f"dumped in {dump_s:.2f} s (frozen {freeze_s:.2f} s); storing")
         try:
-            stored = ctx.store.put(checkpoint_id, name, staging)
+            stored = ctx.store.put(
+                checkpoint_id,
+                name,
+                staging,
+                {
+                    "kind": "hibernate" if hibernate else "checkpoint",
+                    "parent": parent.id if parent else job.restored_from,
+                    "criu_version": info.version,
+                    "command": job.command,
+                    "cwd": job.cwd,
+                    "freeze_s": freeze_s,
+                    "dump_s": dump_s,
+                },
+            )
         except TorporError as exc:
             if hibernate:
                 _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
@@ -169,6 +183,7 @@ def checkpoint_in_launcher(
             parent=parent.id if parent else job.restored_from,
         )
         records.add_checkpoint(checkpoint)
+        apply_retention(ctx, name, progress)
     except TorporError as exc:
         if staging is not None and not committed:
             ctx.store.discard(staging)
@@ -190,6 +205,27 @@ def checkpoint_in_launcher(
     else:
         records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
     return asdict(checkpoint)
+
+
+def apply_retention(ctx: Context, name: str, progress: Progress = _quiet) -> list[str]:
+    """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids."""
+    keep = ctx.settings.keep_last
+    if keep <= 0:
+        return []
+    checkpoints = sorted(ctx.records.checkpoints(name), key=lambda c: c.created_at, reverse=True)
+    if len(checkpoints) <= keep:
+        return []
+    pinned = ctx.store.pinned()
+    removed: list[str] = []
+    for checkpoint in checkpoints[keep:]:
+        if checkpoint.id in pinned:
+            continue
+        ctx.store.delete(checkpoint.id)
+        ctx.records.delete_checkpoint(checkpoint.id)
+        removed.append(checkpoint.id)
+    if removed:
+        progress(f"retention (keep the last {keep}): deleted {len(removed)} older checkpoint(s)")
+    return removed
 
 
 def _restore_after_failed_hibernation(
@@ -261,6 +297,21 @@ def rewind_written_files(image_dir: Path, keep_dir: Path) -> list[str]:
     return rewound
 
 
+def recreate_socket_folders(image_dir: Path) -> list[str]:
+    """Create the missing folders of unix sockets the job had bound, so CRIU can bind them again.
+
+    A program that was killed (rather than hibernated) often removed them on its way out — Python's
+    multiprocessing deletes its ``/tmp/pymp-*`` folder — and CRIU cannot bind a socket in a missing folder.
+    """
+    created = []
+    for socket_path in unix_socket_paths(image_dir):
+        folder = Path(socket_path).parent
+        if not folder.exists():
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            created.append(str(folder))
+    return created
+
+
 # -- from the CLI ----------------------------------------------------------------------------------
 
 
@@ -311,7 +362,12 @@ class Engine:
 
     def _spawn_launcher(self, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         """Start a detached launcher and wait for its one-line report (started / restored / failed)."""
-        spec = {"home": str(self.settings.home), "criu": str(self.settings.criu or "") or None, **spec}
+        spec = {
+            "home": str(self.settings.home),
+            "criu": str(self.settings.criu or "") or None,
+            "settings_dict": self.settings.to_dict(),
+            **spec,
+        }
         log = self.settings.job_dir(spec["job"]) / "launcher.log"
         ready_r, ready_w = os.pipe()
         with open(log, "ab") as log_file:
@@ -417,7 +473,7 @@ class Engine:
         self.ctx.criu.require()
         started = time.monotonic()
         previous = self.records.transition(name, RESTORABLE_STATES, JobState.RESTORING)
-        image_dir = self.settings.tmp_dir / f"restore-{checkpoint.id}-{uuid.uuid4().hex[:6]}"
+        image_dir = self.ctx.store.restore_dir(checkpoint.id)
         try:
             if previous.pid and not system.wait_gone(
                 previous.pid, previous.pid_ticks, self.settings.pid_wait_s
@@ -435,6 +491,9 @@ class Engine:
                     f"rewound {len(rewound)} file(s) the job writes to their size at the checkpoint "
                     f"(later bytes saved under {self.settings.job_dir(name) / 'rewound'})"
                 )
+            recreated = recreate_socket_folders(image_dir)
+            if recreated:
+                progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
             progress("restoring with criu")
             self._spawn_launcher(
                 {
