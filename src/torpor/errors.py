@@ -14,7 +14,10 @@
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
     ├── StoreError (6)               the image store refused or lost data
     │   ├── CorruptImage             a byte read back does not match its content hash
-    │   └── StorageFull              no space left
+    │   ├── StorageFull              no space left
+    │   ├── ObjectNotFound           a backend has no object of that name
+    │   ├── KeyProblem               encryption key missing, unreadable or not the store's key
+    │   └── StoreBusy                the store stayed locked by others (e.g. gc during writes)
     └── LauncherUnreachable (7)      the job's launcher does not answer on its socket
 
 Errors that reveal a bug in torpor are *not* TorporErrors, so no handler swallows them.
@@ -86,6 +89,18 @@ class StorageFull(StoreError):
     pass
 
 
+class ObjectNotFound(StoreError):
+    pass
+
+
+class KeyProblem(StoreError):
+    pass
+
+
+class StoreBusy(StoreError):
+    pass
+
+
 class LauncherUnreachable(TorporError):
     exit_code = 7
 
@@ -106,6 +121,9 @@ _BY_NAME: dict[str, type[TorporError]] = {
         StoreError,
         CorruptImage,
         StorageFull,
+        ObjectNotFound,
+        KeyProblem,
+        StoreBusy,
         LauncherUnreachable,
     )
 }

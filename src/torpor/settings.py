@@ -5,11 +5,15 @@ Nothing below the CLI reads the environment: the launcher gets its settings as a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from torpor.errors import UsageError
 
 DEFAULT_ROOT_HOME = Path("/var/lib/torpor")
 
@@ -28,6 +32,22 @@ class Settings:
     stop_grace_s: float = 5.0
     #: extra options for every CRIU run (kept for experiments; empty by default)
     criu_extra: tuple[str, ...] = field(default_factory=tuple)
+    #: the hot tier CRIU dumps into: a folder in RAM (tmpfs, e.g. bound to a CXL node with ``mpol=bind:N``);
+    #: ``None``: ``/dev/shm/torpor-<hash of home>``
+    hot_dir: Path | None = None
+    #: most bytes of images the hot tier keeps; ``None``: half of its file system
+    hot_capacity_bytes: int | None = None
+    #: the cold tier: ``None`` for a folder store in ``home/store``, a path, ``file:///PATH`` or
+    #: ``s3://BUCKET/PREFIX`` (a shared cold tier lets another node restore a job)
+    store_url: str | None = None
+    #: S3 endpoint URL for S3-compatible servers (MinIO, Ceph, moto); credentials: boto3's usual chain
+    s3_endpoint: str | None = None
+    #: encrypt stored images (AES-256-GCM) with the 32-byte key in this file
+    key_file: Path | None = None
+    #: keep this many newest checkpoints per job, plus pinned ones; 0 keeps all
+    keep_last: int = 0
+    #: threads that hash, compress, store and fetch chunks
+    store_workers: int = 4
 
     @property
     def db_path(self) -> Path:
@@ -49,6 +69,36 @@ class Settings:
     def tmp_dir(self) -> Path:
         return self.home / "tmp"
 
+    @property
+    def hot_path(self) -> Path:
+        if self.hot_dir is not None:
+            return self.hot_dir
+        tag = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
+        return Path("/dev/shm") / f"torpor-{tag}"
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able form, to hand the same settings to a launcher or destager process."""
+        out: dict[str, object] = {}
+        for name, value in asdict(self).items():
+            out[name] = (
+                str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+            )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settings:
+        paths = {"home", "criu", "hot_dir", "key_file"}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in data:
+                value = data[f.name]
+                if f.name in paths and value is not None:
+                    value = Path(value)
+                elif f.name == "criu_extra":
+                    value = tuple(value or ())
+                values[f.name] = value
+        return cls(**values)
+
     def job_dir(self, name: str) -> Path:
         return self.jobs_dir / name
 
@@ -67,7 +117,46 @@ class Settings:
             base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
             home_path = Path(base) / "torpor"
         criu = criu or os.environ.get("TORPOR_CRIU")
-        return cls(home=home_path.absolute(), criu=find_criu(Path(criu) if criu else None))
+        env = os.environ
+        hot = env.get("TORPOR_HOT_DIR")
+        key = env.get("TORPOR_KEY_FILE")
+        return cls(
+            home=home_path.absolute(),
+            criu=find_criu(Path(criu) if criu else None),
+            hot_dir=Path(hot).absolute() if hot else None,
+            hot_capacity_bytes=parse_bytes(env["TORPOR_HOT_CAPACITY"])
+            if env.get("TORPOR_HOT_CAPACITY")
+            else None,
+            store_url=env.get("TORPOR_STORE") or None,
+            s3_endpoint=env.get("TORPOR_S3_ENDPOINT") or None,
+            key_file=Path(key).absolute() if key else None,
+            keep_last=_env_int("TORPOR_KEEP_LAST", 0),
+            store_workers=_env_int("TORPOR_STORE_WORKERS", 4),
+        )
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r} is not a whole number") from None
+    if value < 0:
+        raise UsageError(f"{name} must not be negative")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``"8G"``, ``"512M"``, ``"1.5GiB"`` or a plain number of bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
+    try:
+        return int(float(number) * units[unit])
+    except ValueError:
+        raise UsageError(f"{text!r} is not a size (e.g. 8G, 512M)") from None
 
 
 def find_criu(configured: Path | None) -> Path | None:

@@ -43,8 +43,11 @@ class LaunchSpec:
     mode: str  # "start" or "restore"
     image_dir: str | None = None  # restore: a verified image folder the launcher consumes
     checkpoint_id: str | None = None  # restore: which checkpoint the image is
+    settings_dict: dict[str, Any] | None = None  # the CLI's whole Settings (store options included)
 
     def settings(self) -> Settings:
+        if self.settings_dict:
+            return Settings.from_dict(self.settings_dict)
         return Settings(home=Path(self.home), criu=Path(self.criu) if self.criu else None)
 
 

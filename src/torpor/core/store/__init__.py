@@ -1,18 +1,36 @@
-"""The image store: where finished CRIU image folders are kept, behind :class:`ImageStore`.
+"""The image store: where CRIU images are kept, behind :class:`ImageStore`.
 
 The engine hands the store a complete image folder and later asks for a verified copy back; it never
-knows how images are kept. :func:`open_store` picks the implementation for a state directory.
+knows how images are kept. Modules, bottom up (one activity each, as in borg/borgstore)::
+
+    backend.py      named immutable objects on a folder (here) or S3 (adapters/s3.py)
+    objects.py      the envelope of a stored object: hash, zstd, AES-GCM
+    pagemap.py      where CRIU's pages lie in the address space, for chunking
+    manifest.py     one checkpoint: files as lists of chunks
+    lock.py         writers vs gc, across nodes
+    repository.py   the cold tier: chunk, dedupe, store, verify, gc
+    hot.py          the hot tier in RAM
+    destager.py     the background process between the two
+    tiered.py       the ImageStore the engine uses
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, ImageStore, StoredImage
+from torpor.core.store.tiered import TieredStore
+from torpor.settings import Settings
 
-from torpor.core.store.base import ImageStore, StoredImage
-from torpor.core.store.folder import FolderStore
+__all__ = [
+    "DESTAGING",
+    "DURABLE",
+    "STAGED",
+    "GcResult",
+    "ImageStore",
+    "StoredImage",
+    "TieredStore",
+    "open_store",
+]
 
-__all__ = ["FolderStore", "ImageStore", "StoredImage", "open_store"]
 
-
-def open_store(images_dir: Path) -> ImageStore:
-    return FolderStore(images_dir)
+def open_store(settings: Settings) -> ImageStore:
+    return TieredStore(settings)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+#: a checkpoint's image is in the hot tier only, waiting for the destager
+STAGED = "staged"
+#: the destager is copying it into the cold tier
+DESTAGING = "destaging"
+#: its manifest is in the cold tier: it survives the machine
+DURABLE = "durable"
 
 
 @dataclass(frozen=True)
@@ -12,23 +20,53 @@ class StoredImage:
     checkpoint_id: str
     job: str
     size_bytes: int  # bytes of the CRIU image as dumped (logical size)
-    stored_bytes: int  # bytes the store spends on it
+    stored_bytes: int  # bytes the store spent on it (new chunks); 0 until it is durable
+    state: str = DURABLE
+    #: how far destaging got, 0..1 (``None`` when not destaging)
+    progress: float | None = None
+    #: why the image is not durable yet (e.g. the cold tier is full); ``None`` when all is well
+    error: str | None = None
+    pinned: bool = False
+    created_at: float = 0.0
+
+    @property
+    def state_text(self) -> str:
+        if self.state == DESTAGING and self.progress is not None:
+            return f"destaging {self.progress * 100:.0f}%"
+        return self.state + (" (not durable: see error)" if self.error else "")
+
+
+@dataclass(frozen=True)
+class GcResult:
+    checkpoints: int
+    chunks_kept: int
+    chunks_deleted: int
 
 
 class ImageStore(Protocol):
-    def staging_dir(self, checkpoint_id: str) -> Path:
-        """A new empty folder for CRIU to dump into, placed so that :meth:`put` is cheap."""
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None) -> Path:
+        """A new empty folder for CRIU to dump into, placed so that :meth:`put` is cheap.
 
-    def put(self, checkpoint_id: str, job: str, image_dir: Path) -> StoredImage:
+        ``size_hint`` (the job's resident bytes) lets the store send a dump that would not fit into RAM
+        straight to the cold tier.
+        """
+
+    def put(
+        self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
+    ) -> StoredImage:
         """Take ownership of a complete image folder (it is moved or consumed on success).
 
         The image becomes visible only when complete: a crash at any moment leaves it absent or whole.
         On failure ``image_dir`` is left as it was (the caller may still restore from it) and
-        :class:`~torpor.errors.StorageFull` says when there was no room.
+        :class:`~torpor.errors.StorageFull` says when there was no room. ``meta`` (CRIU version, parent,
+        job spec, timings) goes into the checkpoint's manifest.
         """
 
     def discard(self, image_dir: Path) -> None:
         """Remove a staging folder that will not be put (a failed dump, or a put that failed)."""
+
+    def restore_dir(self, checkpoint_id: str) -> Path:
+        """A path (not yet existing) to :meth:`get` an image into, placed so that restoring is fast."""
 
     def get(self, checkpoint_id: str, dest: Path) -> None:
         """Write the image's files into the empty folder ``dest``, each verified against its hash.
@@ -37,8 +75,27 @@ class ImageStore(Protocol):
         :class:`~torpor.errors.CheckpointNotFound` if there is no such image.
         """
 
+    def state(self, checkpoint_id: str) -> StoredImage:
+        """Where the image is now (staged, destaging, durable); CheckpointNotFound if nowhere."""
+
+    def wait_durable(
+        self,
+        checkpoint_id: str,
+        progress: Callable[[StoredImage], None] | None = None,
+        timeout: float | None = None,
+    ) -> StoredImage:
+        """Return once the image is durable; raise the destager's error if it cannot become so."""
+
     def list(self) -> list[StoredImage]:
         """Every complete image."""
 
     def delete(self, checkpoint_id: str) -> None:
         """Forget an image; deleting one that does not exist is not an error."""
+
+    def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
+        """Pinned images are kept by retention."""
+
+    def pinned(self) -> set[str]: ...
+
+    def gc(self) -> GcResult:
+        """Delete stored data no image refers to; safe while other images are being written."""

@@ -1,0 +1,121 @@
+"""S3-compatible object storage as a store backend (AWS S3, MinIO, Ceph RGW, moto), through boto3.
+
+Keeps the backend contract of :mod:`torpor.core.store.backend`: S3's PUT is atomic and, since 2020,
+strongly consistent for reads and lists, so ``store`` is one PUT and ``sync`` has nothing to do.
+botocore failures become torpor errors here, with the original as the cause; credentials come from
+boto3's usual chain (``AWS_ACCESS_KEY_ID``…, ``~/.aws``, instance roles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from torpor.errors import ObjectNotFound, StorageFull, StoreError
+
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_FULL = {"QuotaExceeded", "XMinioStorageFull", "EntityTooLarge", "InsufficientStorage"}
+
+
+class S3Backend:
+    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, workers: int = 8) -> None:
+        if not bucket:
+            raise StoreError("an S3 store URL needs a bucket: s3://BUCKET[/PREFIX]")
+        self.bucket = bucket
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint}" if endpoint else "")
+        config = botocore.config.Config(
+            max_pool_connections=max(10, workers * 2),
+            retries={"max_attempts": 5, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=60,
+        )
+        try:
+            self.client: Any = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+        except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+            raise StoreError(f"cannot set up S3 access to {self.url}: {exc}") from exc
+
+    def _key(self, name: str) -> str:
+        parts = name.split("/")
+        if not name or any(not part or part in (".", "..") or part.startswith(".") for part in parts):
+            raise ValueError(f"bad object name {name!r}")
+        return self.prefix + name
+
+    def _error(self, exc: Exception, what: str) -> StoreError:
+        if isinstance(exc, botocore.exceptions.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            message = str(exc.response.get("Error", {}).get("Message", "")) or code
+            if code in _MISSING:
+                return ObjectNotFound(f"{self.url} has no object {what}")
+            if code in _FULL:
+                return StorageFull(f"{what}: the S3 store {self.url} is full ({message})")
+            if code == "NoSuchBucket":
+                return StoreError(f"the bucket {self.bucket} does not exist at {self.url}; create it first")
+            return StoreError(f"S3 {what} failed at {self.url}: {code} {message}")
+        return StoreError(f"S3 {what} failed at {self.url}: {exc}")
+
+    def create(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+            return
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code not in ("404", "NoSuchBucket", "NotFound"):
+                raise self._error(exc, "checking the bucket") from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._error(exc, "checking the bucket") from exc
+        try:
+            self.client.create_bucket(Bucket=self.bucket)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, "creating the bucket") from exc
+
+    def store(self, name: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, f"writing {name}") from exc
+
+    def load(self, name: str) -> bytes:
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+            data: bytes = reply["Body"].read()
+            return data
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, name) from exc
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(name))
+            return True
+        except botocore.exceptions.ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+                return False
+            raise self._error(exc, f"checking {name}") from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._error(exc, f"checking {name}") from exc
+
+    def delete(self, name: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, f"deleting {name}") from exc
+
+    def list(self, folder: str) -> Iterator[str]:
+        prefix = self._key(folder) + "/"
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for item in page.get("Contents", []):
+                    yield str(item["Key"])[len(self.prefix) :]
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, f"listing {folder}") from exc
+
+    def sync(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.client.close()

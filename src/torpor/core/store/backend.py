@@ -1,0 +1,187 @@
+"""Backends: flat namespaces of named, immutable objects — the one seam between the store and storage.
+
+A backend knows nothing of chunks, manifests or encryption; it stores bytes under names like
+``chunks/ab/ab12…`` and gives them back. Every backend keeps the same small contract (checked by one
+contract test suite, ``tests/store/test_backends.py``):
+
+* ``store`` is atomic: a reader sees the old object, no object, or the whole new one — never a part;
+  once ``sync`` returns, every object stored before it survives a crash;
+* ``load`` of a missing object raises :class:`~torpor.errors.ObjectNotFound`;
+* ``delete`` of a missing object is not an error;
+* ``list(folder)`` yields every object name under ``folder/`` (recursively), in no particular order;
+* failures are torpor errors (:class:`~torpor.errors.StorageFull` when there is no room), with the
+  original exception as the cause.
+
+:class:`FolderBackend` (a local or network file system) lives here; the S3 backend lives in
+:mod:`torpor.adapters.s3`, as it drives a third-party library.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from torpor.errors import ObjectNotFound, StorageFull, StoreError, UsageError
+
+
+class Backend(Protocol):
+    url: str
+
+    def create(self) -> None:
+        """Make the container (folder, bucket prefix) if it is missing; idempotent."""
+
+    def store(self, name: str, data: bytes) -> None:
+        """Write object ``name`` atomically (replacing any object of that name)."""
+
+    def load(self, name: str) -> bytes:
+        """The bytes of object ``name``."""
+
+    def exists(self, name: str) -> bool: ...
+
+    def delete(self, name: str) -> None: ...
+
+    def list(self, folder: str) -> Iterator[str]:
+        """Names of all objects under ``folder/``, as full names (``folder/...``)."""
+
+    def sync(self) -> None:
+        """Make every object stored so far durable."""
+
+    def close(self) -> None: ...
+
+
+def check_name(name: str) -> str:
+    """Object names are relative paths of plain parts: nothing a backend could escape its root with."""
+    parts = name.split("/")
+    if not name or any(not part or part in (".", "..") or part.startswith(".") for part in parts):
+        raise ValueError(f"bad object name {name!r}")
+    return name
+
+
+def _error(exc: OSError, what: str) -> StoreError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"{what}: no space left on device; free space in the store or point it elsewhere")
+    return StoreError(f"{what}: {exc.strerror or exc}")
+
+
+class FolderBackend:
+    """Objects as files under ``root``, written the borgstore way: temp file, fsync, rename.
+
+    Renames are made durable by :meth:`sync`, which fsyncs each folder that gained an entry — one fsync
+    per folder rather than one per object keeps thousands of chunks cheap.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"file://{root}"
+        self._dirty: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def create(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _error(exc, f"cannot create the store folder {self.root}") from exc
+
+    def store(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with self._lock:  # the new folders' entries must reach the disk too
+                    self._dirty.update(p for p in path.parents if p == self.root or self.root in p.parents)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise _error(exc, f"cannot write {name} in {self.root}") from exc
+        with self._lock:
+            self._dirty.add(path.parent)
+
+    def load(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"{self.url} has no object {name}") from exc
+        except OSError as exc:
+            raise _error(exc, f"cannot read {name} from {self.root}") from exc
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise _error(exc, f"cannot delete {name} from {self.root}") from exc
+        with self._lock:
+            self._dirty.add(self._path(name).parent)
+
+    def list(self, folder: str) -> Iterator[str]:
+        base = self._path(folder)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for filename in filenames:
+                if not filename.startswith("."):
+                    yield f"{rel}/{filename}"
+
+    def sync(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for folder in sorted(dirty):
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _error(exc, f"cannot sync {folder}") from exc
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def remove_leftovers(self) -> int:
+        """Delete temp files a crash left behind mid-``store`` (for gc); returns how many."""
+        removed = 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for filename in filenames:
+                if filename.startswith(".") and filename.endswith(".tmp"):
+                    (Path(dirpath) / filename).unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    def close(self) -> None:
+        self.sync()
+
+
+def open_backend(url: str, *, s3_endpoint: str | None = None, workers: int = 8) -> Backend:
+    """A backend for ``url``: a path or ``file://PATH`` (a folder), or ``s3://BUCKET[/PREFIX]``."""
+    parts = urlsplit(url)
+    if parts.scheme in ("", "file"):
+        return FolderBackend(Path(parts.path if parts.scheme else url).absolute())
+    if parts.scheme == "s3":
+        from torpor.adapters.s3 import S3Backend
+
+        return S3Backend(
+            bucket=parts.netloc, prefix=parts.path.strip("/"), endpoint=s3_endpoint, workers=workers
+        )
+    raise UsageError(f"unsupported store URL {url!r}: use a folder path, file:///PATH or s3://BUCKET/PREFIX")

@@ -1,0 +1,110 @@
+"""The destager: a detached process that moves staged images from the hot tier into the cold tier.
+
+``put`` starts one after every checkpoint (and ``wait_durable`` starts one if none runs), so it survives
+the CLI and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
+newly started one waits for it, then looks again — so no staged image is ever left behind by a race.
+
+Crash recovery is the normal path: a destager killed mid-way leaves its image staged in the hot tier and
+some chunks in the cold tier, but no manifest, so the image is never listed as durable there. The next
+destager stores it again (chunks already stored are skipped) and removes leftovers of dead dumps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+
+from torpor.core.store.base import DESTAGING, DURABLE, STAGED
+from torpor.core.store.hot import HotRecord
+from torpor.core.store.tiered import LOCK_FILE, TieredStore
+from torpor.errors import TorporError
+from torpor.settings import Settings
+
+
+def _log(text: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} destager {os.getpid()}: {text}", flush=True)
+
+
+def destage(store: TieredStore, record: HotRecord) -> None:
+    hot, repo = store.hot, store.repo
+    total = record.size
+    hot.update(record.id, state=DESTAGING, done_bytes=0, error=None)
+    started = time.monotonic()
+    if repo.has(record.id):  # stored before a crash, only the hot record was not updated
+        manifest = repo.manifest(record.id)
+    else:
+        last = [0.0]
+
+        def progress(done: int, _total: int) -> None:
+            if time.monotonic() - last[0] > 0.25:
+                last[0] = time.monotonic()
+                hot.update(record.id, done_bytes=done)
+
+        manifest = repo.write(
+            record.id,
+            record.job,
+            hot.image_dir(record.id),
+            record.meta,
+            progress=progress,
+            skip=lambda name: name not in record.files,
+        )
+    if hot.record(record.id) is None:  # deleted while we stored it
+        repo.delete(record.id)
+        return
+    hot.update(
+        record.id, state=DURABLE, done_bytes=total, stored_bytes=int(manifest.sizes.get("new_bytes", 0))
+    )
+    seconds = time.monotonic() - started
+    _log(
+        f"{record.id} ({record.job}) durable: {total / 2**20:.1f} MiB in {seconds:.2f} s, "
+        f"{int(manifest.sizes.get('new_bytes', 0)) / 2**20:.1f} MiB new"
+    )
+
+
+def run(store: TieredStore) -> int:
+    store.hot.ensure()
+    fd = os.open(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        for leftover in store.hot.leftovers():
+            _log(f"removing leftover {leftover.name}")
+            shutil.rmtree(leftover, ignore_errors=True)
+        failed: set[str] = set()
+        while True:
+            pending = [r for r in store.hot.records() if r.state != DURABLE and r.id not in failed]
+            if not pending:
+                break
+            record = pending[0]
+            try:
+                destage(store, record)
+            except FileNotFoundError:
+                _log(f"{record.id} vanished from the hot tier while it was stored (deleted)")
+                failed.add(record.id)
+            except TorporError as exc:
+                _log(f"{record.id} not durable: {exc.message}")
+                store.hot.update(record.id, state=STAGED, error=exc.message)
+                failed.add(record.id)
+        store.hot.make_room(0)
+    finally:
+        os.close(fd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    settings = Settings.from_dict(json.loads(args[0]))
+    try:
+        return run(TieredStore(settings))
+    except TorporError as exc:
+        _log(f"stopped: {exc.message}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The hot tier: a folder in RAM that CRIU dumps into, so the job resumes at memory speed.
+
+Layout under the hot folder::
+
+    <id>.partial/           a dump in progress (``.owner`` says which process); never listed
+    <id>/                   a complete image: the CRIU files plus ``.torpor.json`` (its record)
+    restore-<id>-<rand>/    an image being restored (removed by the engine once CRIU has read it)
+    destager.lock           held (flock) by the running destager
+    destager.log            what the destager did
+
+The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and BLAKE3
+hash (a hot image is verified when read back like any other), and its state: ``staged`` (waiting for the
+destager), ``destaging`` (with bytes done), ``durable`` (a manifest is in the cold tier; the hot copy is
+only a cache now and is dropped oldest first when the tier is over capacity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from torpor.core.store.manifest import safe_file_name
+from torpor.errors import CheckpointNotFound, CorruptImage, StorageFull, StoreError
+
+RECORD = ".torpor.json"
+OWNER = ".owner"
+RECORD_FORMAT = "torpor-hot-image"
+RECORD_VERSION = 1
+
+STAGED = "staged"
+DESTAGING = "destaging"
+DURABLE = "durable"
+
+
+@dataclass(frozen=True)
+class HotRecord:
+    id: str
+    job: str
+    created_at: float
+    files: dict[str, list[Any]]  # name -> [size, blake3 hex]
+    state: str = STAGED
+    done_bytes: int = 0
+    error: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    stored_bytes: int | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(int(size) for size, _ in self.files.values())
+
+
+def hash_file(path: Path) -> str:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:
+        hasher.update_mmap(path)
+    return str(hasher.hexdigest())
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
+
+
+def _owner_alive(partial: Path) -> bool:
+    try:
+        pid = int((partial / OWNER).read_text())
+    except (OSError, ValueError):
+        return time.time() - partial.stat().st_mtime < 3600  # unknown owner: only very old ones go
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HotTier:
+    def __init__(self, root: Path, capacity: int | None = None) -> None:
+        self.root = root
+        self._capacity = capacity
+
+    @property
+    def capacity(self) -> int:
+        if self._capacity is not None:
+            return self._capacity
+        try:
+            stat = os.statvfs(self.root if self.root.exists() else self.root.parent)
+        except OSError:
+            return 0
+        return stat.f_blocks * stat.f_frsize // 2
+
+    def _dir(self, checkpoint_id: str) -> Path:
+        if not safe_file_name(checkpoint_id) or checkpoint_id.startswith(".") or "." in checkpoint_id:
+            raise CheckpointNotFound(f"'{checkpoint_id}' is not a checkpoint id")
+        return self.root / checkpoint_id
+
+    def ensure(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise StoreError(f"cannot create the hot tier {self.root}: {exc.strerror}") from exc
+
+    # -- staging ------------------------------------------------------------------------------------
+
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None) -> Path | None:
+        """A folder to dump into, or ``None`` when the hint says the image will not fit."""
+        self.ensure()
+        need = size_hint or 0
+        if need and not self.make_room(need):
+            return None
+        partial = self.root / f"{self._dir(checkpoint_id).name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            partial.mkdir()
+            (partial / OWNER).write_text(str(os.getpid()))
+        except OSError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            return None if exc.errno == 28 else _raise(exc, self.root)
+        return partial
+
+    def owns(self, image_dir: Path) -> bool:
+        return image_dir.parent == self.root and image_dir.name.endswith(".partial")
+
+    def commit(self, checkpoint_id: str, job: str, partial: Path, meta: dict[str, Any]) -> HotRecord:
+        """Hash the dumped files and make the image visible (rename: all or nothing)."""
+        final = self._dir(checkpoint_id)
+        files: dict[str, list[Any]] = {}
+        for path in sorted(partial.iterdir()):
+            if path.name.startswith(".") or not path.is_file() or path.is_symlink():
+                continue
+            files[path.name] = [path.stat().st_size, hash_file(path)]
+        record = HotRecord(checkpoint_id, job, float(meta.get("created_at") or time.time()), files, meta=meta)
+        try:
+            self._write(partial, record)
+            (partial / OWNER).unlink(missing_ok=True)
+            os.rename(partial, final)
+        except OSError as exc:
+            _raise(exc, self.root)
+        return record
+
+    # -- records ------------------------------------------------------------------------------------
+
+    def _write(self, folder: Path, record: HotRecord) -> None:
+        _write_json_atomic(
+            folder / RECORD, {"format": RECORD_FORMAT, "version": RECORD_VERSION, **asdict(record)}
+        )
+
+    def record(self, checkpoint_id: str) -> HotRecord | None:
+        try:
+            data = json.loads((self._dir(checkpoint_id) / RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            return None
+        if data.get("version") != RECORD_VERSION:
+            return None
+        data.pop("format")
+        data.pop("version")
+        try:
+            return HotRecord(**data)
+        except TypeError:
+            return None
+
+    def records(self) -> list[HotRecord]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            if "." in entry.name or entry.name.startswith("restore-") or not entry.is_dir():
+                continue
+            record = self.record(entry.name)
+            if record is not None:
+                found.append(record)
+        return sorted(found, key=lambda r: r.created_at)
+
+    def update(self, checkpoint_id: str, **changes: Any) -> HotRecord | None:
+        record = self.record(checkpoint_id)
+        if record is None:
+            return None
+        record = replace(record, **changes)
+        with contextlib.suppress(OSError):
+            self._write(self._dir(checkpoint_id), record)
+        return record
+
+    def image_dir(self, checkpoint_id: str) -> Path:
+        return self._dir(checkpoint_id)
+
+    def remove(self, checkpoint_id: str) -> None:
+        folder = self._dir(checkpoint_id)
+        if folder.exists():
+            doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(folder, doomed)  # first, so a half-deleted image is never listed
+                shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- capacity -----------------------------------------------------------------------------------
+
+    def used(self) -> int:
+        total = 0
+        if not self.root.is_dir():
+            return 0
+        for dirpath, _dirs, filenames in os.walk(self.root):
+            for name in filenames:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+        return total
+
+    def make_room(self, need: int) -> bool:
+        """Drop durable hot copies, oldest first, until ``need`` more bytes fit; whether they do."""
+        capacity = self.capacity
+        used = self.used()
+        for record in self.records():
+            if used + need <= capacity:
+                break
+            if record.state == DURABLE:
+                self.remove(record.id)
+                used = self.used()
+        return used + need <= capacity
+
+    # -- reading back -------------------------------------------------------------------------------
+
+    def restore_dir(self, checkpoint_id: str) -> Path:
+        self.ensure()
+        return self.root / f"restore-{self._dir(checkpoint_id).name}-{uuid.uuid4().hex[:6]}"
+
+    def copy_out(self, checkpoint_id: str, dest: Path) -> bool:
+        """Link (or copy) a hot image into ``dest``, verifying every file; False if there is none."""
+        record = self.record(checkpoint_id)
+        if record is None:
+            return False
+        source = self._dir(checkpoint_id)
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            for name, (size, digest) in record.files.items():
+                if not safe_file_name(name) or name.startswith("."):
+                    raise CorruptImage(
+                        f"checkpoint {checkpoint_id}: its hot record names a bad file {name!r}"
+                    )
+                target = dest / name
+                try:
+                    os.link(source / name, target)
+                except OSError as exc:
+                    if exc.errno == 2:
+                        raise
+                    shutil.copyfile(source / name, target)
+                if target.stat().st_size != size or hash_file(target) != digest:
+                    raise CorruptImage(
+                        f"checkpoint {checkpoint_id} is corrupt in the hot tier: {name} does not match its hash"
+                    )
+        except FileNotFoundError:
+            # dropped from the hot tier while we read it (it was durable): the caller reads the cold copy
+            for child in dest.iterdir():
+                child.unlink(missing_ok=True)
+            return False
+        return True
+
+    # -- recovery -----------------------------------------------------------------------------------
+
+    def leftovers(self) -> Iterator[Path]:
+        """Dumps whose process died, deletions and restores that a crash interrupted."""
+        if not self.root.is_dir():
+            return
+        now = time.time()
+        for entry in self.root.iterdir():
+            if self._is_leftover(entry, now):
+                yield entry
+
+    def _is_leftover(self, entry: Path, now: float) -> bool:
+        name = entry.name
+        if name.endswith(".partial"):
+            return entry.is_dir() and not _owner_alive(entry)
+        if name.endswith(".deleting"):
+            return True
+        if name.startswith("restore-"):
+            return now - entry.stat().st_mtime > 3600
+        return (
+            entry.is_dir()
+            and "." not in name
+            and self.record(name) is None
+            and now - entry.stat().st_mtime > 60
+        )
+
+
+def _raise(exc: OSError, root: Path) -> Any:
+    if exc.errno == 28:
+        raise StorageFull(f"the hot tier {root} is full: lower TORPOR_HOT_CAPACITY or free memory") from exc
+    raise StoreError(f"hot tier {root}: {exc.strerror or exc}") from exc

@@ -1,0 +1,378 @@
+"""The cold tier: checkpoints as content-addressed chunks plus one manifest each, on any backend.
+
+Layout of objects in the backend::
+
+    config                  format, version, chunk size, encryption and key check (plain JSON)
+    chunks/ab/ab12…         one chunk, named by the hex digest of its plaintext (see objects.py)
+    manifests/<id>          one checkpoint (manifest.py), stored after all of its chunks
+    pins/<id>               a pinned checkpoint, kept by retention
+    locks/<kind>-<random>   writers (shared) and gc (exclusive), see lock.py
+
+Images are cut into chunks of at most ``chunk_size`` bytes. A ``pages-N.img`` is cut along virtual
+addresses (pagemap.py), any other file along its offsets. All-zero chunks are not stored at all. A chunk
+already in the store is not stored again, whichever checkpoint or job it came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torpor.core.store import pagemap
+from torpor.core.store.backend import Backend
+from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
+from torpor.core.store.manifest import Extent, FileEntry, Manifest, safe_file_name
+from torpor.core.store.objects import KIND_CHUNK, KIND_MANIFEST, Codec
+from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNotFound, StoreError
+
+STORE_FORMAT = "torpor-store"
+STORE_VERSION = 1
+DEFAULT_CHUNK_SIZE = 256 << 10
+
+#: (bytes done, bytes in all)
+ProgressFn = Callable[[int, int], None]
+
+
+def _no_progress(done: int, total: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    size: int
+    pieces: tuple[tuple[int, int], ...]  # (offset, length), contiguous, covering the file
+
+
+@dataclass(frozen=True)
+class GcReport:
+    manifests: int
+    chunks_kept: int
+    chunks_deleted: int
+
+
+def plan_image(
+    image_dir: Path, chunk_size: int, skip: Callable[[str], bool] = lambda _: False
+) -> list[FilePlan]:
+    """How each file of a CRIU image folder is cut into chunks."""
+    pagemaps = pagemap.read_pagemaps(image_dir)
+    plans = []
+    for path in sorted(image_dir.iterdir()):
+        if path.name.startswith(".") or skip(path.name) or not path.is_file() or path.is_symlink():
+            continue
+        size = path.stat().st_size
+        if path.name in pagemaps:
+            pieces = tuple(pagemap.cuts(pagemaps[path.name], chunk_size))
+        else:
+            pieces = tuple((off, min(chunk_size, size - off)) for off in range(0, size, chunk_size))
+        plans.append(FilePlan(path.name, size, pieces))
+    return plans
+
+
+def chunk_name(chunk: str) -> str:
+    return f"chunks/{chunk[:2]}/{chunk}"
+
+
+class Repository:
+    def __init__(self, backend: Backend, key: bytes | None = None, workers: int = 4) -> None:
+        self.backend = backend
+        self.codec = Codec(key)
+        self.workers = max(1, workers)
+        self.lock = RepositoryLock(backend)
+        self.chunk_size = DEFAULT_CHUNK_SIZE
+        self._opened = False
+
+    # -- config ---------------------------------------------------------------------------------------
+
+    def open(self) -> Repository:
+        """Read the store's config (creating the store if it is new) and check the key against it."""
+        if self._opened:
+            return self
+        try:
+            config = json.loads(self.backend.load("config"))
+        except ObjectNotFound:
+            self.backend.create()
+            config = {
+                "format": STORE_FORMAT,
+                "version": STORE_VERSION,
+                "chunk_size": self.chunk_size,
+                "encryption": "aes-256-gcm" if self.codec.encrypted else None,
+                "key_check": self.codec.key_check,
+            }
+            self.backend.store("config", json.dumps(config).encode())
+            self.backend.sync()
+        except ValueError as exc:
+            raise StoreError(f"the config of the store {self.backend.url} is unreadable") from exc
+        if not isinstance(config, dict) or config.get("format") != STORE_FORMAT:
+            raise StoreError(f"{self.backend.url} is not a torpor store")
+        if config.get("version") != STORE_VERSION:
+            raise StoreError(
+                f"the store {self.backend.url} has format {config.get('version')}; this torpor reads "
+                f"{STORE_VERSION}"
+            )
+        if config.get("encryption") and not self.codec.encrypted:
+            raise KeyProblem(
+                f"the store {self.backend.url} is encrypted: set TORPOR_KEY_FILE to its key file"
+            )
+        if not config.get("encryption") and self.codec.encrypted:
+            raise KeyProblem(
+                f"a key file is configured but the store {self.backend.url} is not encrypted; unset "
+                "TORPOR_KEY_FILE or use a new store"
+            )
+        if config.get("key_check") != self.codec.key_check:
+            raise KeyProblem(f"the configured key file is not the key of the store {self.backend.url}")
+        self.chunk_size = int(config.get("chunk_size", DEFAULT_CHUNK_SIZE))
+        self._opened = True
+        return self
+
+    # -- writing --------------------------------------------------------------------------------------
+
+    def write(
+        self,
+        checkpoint_id: str,
+        job: str,
+        image_dir: Path,
+        meta: Mapping[str, Any],
+        progress: ProgressFn = _no_progress,
+        skip: Callable[[str], bool] = lambda _: False,
+    ) -> Manifest:
+        """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last."""
+        self.open()
+        started = time.monotonic()
+        plans = plan_image(image_dir, self.chunk_size, skip)
+        total = sum(plan.size for plan in plans)
+        zero = bytes(self.chunk_size)
+        claimed: set[bytes] = set()
+        guard = threading.Lock()
+        counters = {"done": 0, "zero": 0, "new_chunks": 0, "new_bytes": 0, "written": 0}
+
+        with self.lock.hold(SHARED, timeout=600) as held:
+            known = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
+
+            def one(fd: int, offset: int, length: int) -> Extent:
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise StoreError(f"{image_dir} changed while it was being stored")
+                chunk: str | None = None
+                new = 0
+                if data != zero[:length]:
+                    digest = self.codec.digest(data)
+                    chunk = digest.hex()
+                    with guard:
+                        fresh = chunk not in known and digest not in claimed
+                        claimed.add(digest)
+                    if fresh:
+                        blob = self.codec.encode(KIND_CHUNK, data, digest)
+                        self.backend.store(chunk_name(chunk), blob)
+                        new = len(blob)
+                with guard:
+                    counters["done"] += length
+                    if chunk is None:
+                        counters["zero"] += length
+                    if new:
+                        counters["new_chunks"] += 1
+                        counters["new_bytes"] += new
+                return (offset, length, chunk)
+
+            files: list[FileEntry] = []
+            last_report = 0.0
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="destage") as pool:
+                for plan in plans:
+                    fd = os.open(image_dir / plan.name, os.O_RDONLY)
+                    try:
+                        futures = [pool.submit(one, fd, off, length) for off, length in plan.pieces]
+                        extents: list[Extent] = []
+                        for future in futures:
+                            extents.append(future.result())
+                            now = time.monotonic()
+                            if now - last_report > 0.2:
+                                last_report = now
+                                progress(counters["done"], total)
+                                held.refresh()
+                    finally:
+                        for future in futures:
+                            future.cancel()
+                        os.close(fd)
+                    files.append(FileEntry(plan.name, plan.size, tuple(_merge_zeros(extents))))
+            self.backend.sync()
+            chunks = [c for f in files for _, _, c in f.extents if c is not None]
+            manifest = Manifest(
+                id=checkpoint_id,
+                job=job,
+                created_at=float(meta.get("created_at") or time.time()),
+                files=tuple(files),
+                chunk_size=self.chunk_size,
+                kernel=os.uname().release,
+                meta=dict(meta),
+                sizes={
+                    "logical": total,
+                    "zero": counters["zero"],
+                    "chunks": len(chunks),
+                    "unique_chunks": len(set(chunks)),
+                    "new_chunks": counters["new_chunks"],
+                    "new_bytes": counters["new_bytes"],
+                    "destage_s": round(time.monotonic() - started, 4),
+                },
+            )
+            self.backend.store(
+                f"manifests/{checkpoint_id}", self.codec.encode(KIND_MANIFEST, manifest.to_bytes())
+            )
+            self.backend.sync()
+        progress(total, total)
+        return manifest
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        self.open()
+        what = f"the manifest of checkpoint {checkpoint_id}"
+        try:
+            blob = self.backend.load(f"manifests/{checkpoint_id}")
+        except ObjectNotFound as exc:
+            raise CheckpointNotFound(
+                f"checkpoint {checkpoint_id} is not in the store {self.backend.url}"
+            ) from exc
+        manifest = Manifest.from_bytes(self.codec.decode(KIND_MANIFEST, blob, what), what)
+        if manifest.id != checkpoint_id:
+            raise CorruptImage(f"{what} describes another checkpoint ({manifest.id})")
+        return manifest
+
+    def ids(self) -> list[str]:
+        self.open()
+        return sorted(name.rsplit("/", 1)[-1] for name in self.backend.list("manifests"))
+
+    def has(self, checkpoint_id: str) -> bool:
+        self.open()
+        return self.backend.exists(f"manifests/{checkpoint_id}")
+
+    def read(self, checkpoint_id: str, dest: Path, progress: ProgressFn = _no_progress) -> Manifest:
+        """Rebuild checkpoint ``checkpoint_id`` in ``dest``, fetching and verifying chunks in parallel."""
+        manifest = self.manifest(checkpoint_id)
+        dest.mkdir(parents=True, exist_ok=True)
+        total = manifest.size
+        done = [0]
+        guard = threading.Lock()
+
+        def one(fd: int, offset: int, length: int, chunk: str) -> None:
+            what = f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
+            try:
+                blob = self.backend.load(chunk_name(chunk))
+            except ObjectNotFound as exc:
+                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
+            try:
+                data = self.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk))
+            except CorruptImage as exc:
+                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {exc.message}") from exc
+            if len(data) != length:
+                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {what} has the wrong size")
+            os.pwrite(fd, data, offset)
+            with guard:
+                done[0] += length
+
+        fds: list[int] = []
+        try:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="fetch") as pool:
+                futures = []
+                for entry in manifest.files:
+                    if not safe_file_name(entry.name):  # validated already; never write outside dest
+                        raise CorruptImage(f"checkpoint {checkpoint_id} names a bad file {entry.name!r}")
+                    fd = os.open(dest / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    fds.append(fd)
+                    os.ftruncate(fd, entry.size)  # zero extents stay holes
+                    for offset, length, chunk in entry.extents:
+                        if chunk is None:
+                            done[0] += length
+                        else:
+                            futures.append(pool.submit(one, fd, offset, length, chunk))
+                try:
+                    last = 0.0
+                    for future in futures:
+                        future.result()
+                        if time.monotonic() - last > 0.2:
+                            last = time.monotonic()
+                            progress(done[0], total)
+                finally:
+                    for future in futures:
+                        future.cancel()
+        except OSError as exc:
+            raise StoreError(f"cannot write checkpoint {checkpoint_id} into {dest}: {exc.strerror}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        progress(total, total)
+        return manifest
+
+    def intact(self, checkpoint_id: str, chunks: set[str] | None = None) -> bool:
+        """Whether every chunk the checkpoint names is present (cheap: names only, not contents)."""
+        try:
+            manifest = self.manifest(checkpoint_id)
+        except StoreError:
+            return False
+        if chunks is None:
+            chunks = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
+        return all(chunk in chunks for chunk in manifest.chunk_ids())
+
+    # -- deleting ---------------------------------------------------------------------------------------
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Forget a checkpoint; its chunks go at the next :meth:`gc`."""
+        self.open()
+        self.backend.delete(f"manifests/{checkpoint_id}")
+        self.backend.delete(f"pins/{checkpoint_id}")
+        self.backend.sync()
+
+    def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
+        self.open()
+        if pinned:
+            self.backend.store(f"pins/{checkpoint_id}", b"")
+        else:
+            self.backend.delete(f"pins/{checkpoint_id}")
+        self.backend.sync()
+
+    def pinned(self) -> set[str]:
+        self.open()
+        return {name.rsplit("/", 1)[-1] for name in self.backend.list("pins")}
+
+    def gc(self, timeout: float = 120.0) -> GcReport:
+        """Delete every chunk no manifest names; waits for writers, and writers wait for it."""
+        self.open()
+        with self.lock.hold(EXCLUSIVE, timeout=timeout):
+            referenced: set[str] = set()
+            ids = self.ids()
+            for checkpoint_id in ids:
+                # a manifest that cannot be read aborts gc: its chunks must not be taken for garbage
+                referenced.update(self.manifest(checkpoint_id).chunk_ids())
+            kept = deleted = 0
+            for name in list(self.backend.list("chunks")):
+                if name.rsplit("/", 1)[-1] in referenced:
+                    kept += 1
+                else:
+                    self.backend.delete(name)
+                    deleted += 1
+            remove_leftovers = getattr(self.backend, "remove_leftovers", None)
+            if remove_leftovers is not None:
+                remove_leftovers()
+            self.backend.sync()
+        return GcReport(len(ids), kept, deleted)
+
+    def close(self) -> None:
+        with contextlib.suppress(StoreError):
+            self.backend.close()
+
+
+def _merge_zeros(extents: list[Extent]) -> list[Extent]:
+    out: list[Extent] = []
+    for extent in extents:
+        if extent[2] is None and out and out[-1][2] is None:
+            out[-1] = (out[-1][0], out[-1][1] + extent[1], None)
+        else:
+            out.append(extent)
+    return out

@@ -1,0 +1,300 @@
+"""The store torpor uses: a hot tier in RAM in front of a content-addressed cold tier.
+
+``staging_dir`` hands CRIU a folder in the hot tier; ``put`` only hashes the files and renames the
+folder, so the job is back to work as soon as the dump ends. A detached destager process
+(:mod:`torpor.core.store.destager`) then chunks, compresses and stores the image in the cold tier and
+marks it durable. A dump that would not fit in the hot tier goes to a folder on disk and ``put`` stores
+it into the cold tier at once.
+
+``get`` prefers the hot copy (verified file by file) and otherwise rebuilds the image from the cold tier
+(verified chunk by chunk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torpor.core.store.backend import open_backend
+from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, StoredImage
+from torpor.core.store.hot import HotRecord, HotTier
+from torpor.core.store.objects import read_key_file
+from torpor.core.store.repository import Repository
+from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
+from torpor.settings import Settings
+
+LOCK_FILE = "destager.lock"
+LOG_FILE = "destager.log"
+
+_children: list[subprocess.Popen[bytes]] = []
+
+
+class TieredStore:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes)
+        self.cold_staging = settings.home / "staging"
+        self._repo: Repository | None = None
+
+    @property
+    def repo(self) -> Repository:
+        """The cold tier, opened on first use (the key is checked against the store here)."""
+        if self._repo is None:
+            key = read_key_file(self.settings.key_file) if self.settings.key_file else None
+            url = self.settings.store_url or str(self.settings.images_dir)
+            backend = open_backend(
+                url, s3_endpoint=self.settings.s3_endpoint, workers=self.settings.store_workers
+            )
+            self._repo = Repository(backend, key, self.settings.store_workers).open()
+        return self._repo
+
+    # -- writing --------------------------------------------------------------------------------------
+
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None) -> Path:
+        hot = self.hot.staging_dir(checkpoint_id, size_hint)
+        if hot is not None:
+            return hot
+        partial = self.cold_staging / f"{checkpoint_id}.partial"
+        try:
+            self.cold_staging.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create a staging folder in {self.cold_staging}: {exc.strerror}"
+            ) from exc
+        return partial
+
+    def discard(self, image_dir: Path) -> None:
+        shutil.rmtree(image_dir, ignore_errors=True)
+
+    def put(
+        self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
+    ) -> StoredImage:
+        full_meta = {**(meta or {}), "created_at": float((meta or {}).get("created_at") or time.time())}
+        if self.hot.owns(image_dir):
+            record = self.hot.commit(checkpoint_id, job, image_dir, full_meta)
+            self.kick()
+            return self._from_record(record)
+        manifest = self.repo.write(checkpoint_id, job, image_dir, full_meta)
+        shutil.rmtree(image_dir, ignore_errors=True)
+        return StoredImage(
+            checkpoint_id,
+            job,
+            manifest.size,
+            int(manifest.sizes.get("new_bytes", 0)),
+            DURABLE,
+            created_at=manifest.created_at,
+        )
+
+    # -- the destager ---------------------------------------------------------------------------------
+
+    @property
+    def lock_path(self) -> Path:
+        return self.hot.root / LOCK_FILE
+
+    def destager_running(self) -> bool:
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def kick(self) -> None:
+        """Start a destager in the background; it outlives this process and waits for any running one."""
+        global _children
+        _children = [child for child in _children if child.poll() is None]
+        self.hot.ensure()
+        with open(self.hot.root / LOG_FILE, "ab") as log:
+            _children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "torpor.core.store.destager", json.dumps(self.settings.to_dict())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            )
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    def restore_dir(self, checkpoint_id: str) -> Path:
+        record = self.hot.record(checkpoint_id)
+        free = self.hot.capacity - self.hot.used()
+        if record is not None or free > 0:
+            return self.hot.restore_dir(checkpoint_id)
+        return self.settings.tmp_dir / f"restore-{checkpoint_id}-{os.urandom(3).hex()}"
+
+    def get(self, checkpoint_id: str, dest: Path) -> None:
+        if self.hot.copy_out(checkpoint_id, dest):
+            return
+        try:
+            self.repo.read(checkpoint_id, dest)
+        except CheckpointNotFound as exc:
+            raise CheckpointNotFound(
+                f"checkpoint {checkpoint_id} has no image: it is not in the hot tier {self.hot.root} nor in "
+                f"the store {self.repo.backend.url} (a checkpoint that was not yet durable is lost when "
+                "the machine restarts)"
+            ) from exc
+        except CorruptImage as exc:
+            good = self._newest_good(checkpoint_id)
+            hint = (
+                f"; the newest intact checkpoint of this job is {good} (torpor restore JOB --from {good})"
+                if good
+                else "; no intact older checkpoint of this job was found"
+            )
+            raise CorruptImage(exc.message + hint, details=exc.details) from exc
+
+    def _newest_good(self, bad_id: str) -> str | None:
+        try:
+            job = self.repo.manifest(bad_id).job
+        except StoreError:
+            return None
+        candidates: list[tuple[float, str]] = []
+        for record in self.hot.records():
+            if record.job == job and record.id != bad_id:
+                candidates.append((record.created_at, record.id))
+        chunks = {name.rsplit("/", 1)[-1] for name in self.repo.backend.list("chunks")}
+        for checkpoint_id in self.repo.ids():
+            if checkpoint_id == bad_id:
+                continue
+            with contextlib.suppress(StoreError):
+                manifest = self.repo.manifest(checkpoint_id)
+                if manifest.job == job and self.repo.intact(checkpoint_id, chunks):
+                    candidates.append((manifest.created_at, checkpoint_id))
+        bad_chunks = set()
+        with contextlib.suppress(StoreError):
+            for chunk in set(self.repo.manifest(bad_id).chunk_ids()):
+                if not self._chunk_ok(chunk):
+                    bad_chunks.add(chunk)
+        for _, checkpoint_id in sorted(candidates, reverse=True):
+            if self.hot.record(checkpoint_id) is not None:
+                return checkpoint_id
+            with contextlib.suppress(StoreError):
+                if not bad_chunks & set(self.repo.manifest(checkpoint_id).chunk_ids()):
+                    return checkpoint_id
+        return None
+
+    def _chunk_ok(self, chunk: str) -> bool:
+        from torpor.core.store.objects import KIND_CHUNK
+        from torpor.core.store.repository import chunk_name
+
+        try:
+            self.repo.codec.decode(
+                KIND_CHUNK, self.repo.backend.load(chunk_name(chunk)), chunk, bytes.fromhex(chunk)
+            )
+        except StoreError:
+            return False
+        return True
+
+    def _from_record(self, record: HotRecord) -> StoredImage:
+        progress = None
+        if record.state == DESTAGING and record.size:
+            progress = min(1.0, record.done_bytes / record.size)
+        return StoredImage(
+            record.id,
+            record.job,
+            record.size,
+            record.stored_bytes or 0,
+            record.state,
+            progress,
+            record.error,
+            created_at=record.created_at,
+        )
+
+    def state(self, checkpoint_id: str) -> StoredImage:
+        record = self.hot.record(checkpoint_id)
+        if record is not None:
+            image = self._from_record(record)
+            if record.state == DESTAGING and not self.destager_running():
+                image = StoredImage(**{**image.__dict__, "state": STAGED, "progress": None})
+            return image
+        manifest = self.repo.manifest(checkpoint_id)
+        return StoredImage(
+            checkpoint_id,
+            manifest.job,
+            manifest.size,
+            int(manifest.sizes.get("new_bytes", 0)),
+            DURABLE,
+            created_at=manifest.created_at,
+        )
+
+    def wait_durable(
+        self,
+        checkpoint_id: str,
+        progress: Callable[[StoredImage], None] | None = None,
+        timeout: float | None = None,
+    ) -> StoredImage:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        record = self.hot.record(checkpoint_id)
+        if record is not None and record.error:  # a retry: the user may have made room since
+            self.hot.update(checkpoint_id, error=None)
+        kicked = 0.0
+        seen_running = False
+        while True:
+            image = self.state(checkpoint_id)
+            if image.state == DURABLE:
+                return image
+            running = self.destager_running()
+            seen_running = seen_running or running
+            if image.error and (seen_running or not running):
+                raise StoreError(
+                    f"checkpoint {checkpoint_id} is not durable: {image.error}; it stays in the hot tier "
+                    f"{self.hot.root} (lost if the machine restarts). Fix the cause and run "
+                    "'torpor checkpoint --wait' again"
+                )
+            if not running and time.monotonic() - kicked > 5:
+                self.kick()
+                kicked = time.monotonic()
+            if progress is not None:
+                progress(image)
+            if deadline is not None and time.monotonic() > deadline:
+                raise StoreError(f"checkpoint {checkpoint_id} did not become durable in {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def list(self) -> list[StoredImage]:
+        images = {record.id: self.state(record.id) for record in self.hot.records()}
+        pinned = self.pinned()
+        for checkpoint_id in self.repo.ids():
+            if checkpoint_id not in images:
+                with contextlib.suppress(StoreError):
+                    images[checkpoint_id] = self.state(checkpoint_id)
+        return sorted(
+            (
+                StoredImage(**{**image.__dict__, "pinned": image.checkpoint_id in pinned})
+                for image in images.values()
+            ),
+            key=lambda image: image.created_at,
+        )
+
+    # -- deleting -------------------------------------------------------------------------------------
+
+    def delete(self, checkpoint_id: str) -> None:
+        self.hot.remove(checkpoint_id)
+        self.repo.delete(checkpoint_id)
+
+    def set_pinned(self, checkpoint_id: str, pinned: bool) -> None:
+        self.repo.set_pinned(checkpoint_id, pinned)
+
+    def pinned(self) -> set[str]:
+        return self.repo.pinned()
+
+    def gc(self) -> GcResult:
+        report = self.repo.gc()
+        return GcResult(report.manifests, report.chunks_kept, report.chunks_deleted)

@@ -1,0 +1,140 @@
+"""Fixtures of the store tests: backends (a folder; S3 through a real moto server on loopback), synthetic
+CRIU image folders (pages + pagemap written the way CRIU writes them) and torpor settings whose hot tier
+is a private folder in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torpor.core.store.backend import Backend, FolderBackend
+from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
+from torpor.settings import Settings
+
+MOTO = str(Path(sys.executable).parent / "moto_server")
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible HTTP server (moto's server mode) on an ephemeral loopback port."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **S3_ENV},
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    saved = {key: os.environ.get(key) for key in S3_ENV}
+    os.environ.update(S3_ENV)
+    yield f"http://127.0.0.1:{port}"
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def s3_backend(endpoint: str, bucket: str | None = None) -> Backend:
+    from torpor.adapters.s3 import S3Backend
+
+    return S3Backend(bucket or f"b{uuid.uuid4().hex[:12]}", "torpor/test", endpoint=endpoint)
+
+
+@pytest.fixture(params=["folder", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """Every backend, for the contract tests (and the repository tests that run on both)."""
+    if request.param == "folder":
+        made: Backend = FolderBackend(tmp_path / "objects")
+    else:
+        made = s3_backend(request.getfixturevalue("s3_endpoint"))
+    made.create()
+    yield made
+    made.close()
+
+
+# -- synthetic CRIU images ---------------------------------------------------------------------------
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _message(fields: list[tuple[int, int]]) -> bytes:
+    return b"".join(_varint(number << 3) + _varint(value) for number, value in fields)
+
+
+def write_image(folder: Path, regions: dict[int, bytes], pages_id: int = 1, extra: bytes = b"core") -> Path:
+    """A CRIU-like image: ``pages-N.img`` with ``regions`` (vaddr → bytes) and its ``pagemap``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [_message([(1, pages_id)])]
+    pages = bytearray()
+    for vaddr in sorted(regions):
+        data = regions[vaddr]
+        assert len(data) % PAGE_SIZE == 0
+        records.append(_message([(1, vaddr), (2, 0), (4, PE_PRESENT), (5, len(data) // PAGE_SIZE)]))
+        pages += data
+    raw = b"\x00" * 8 + b"".join(len(r).to_bytes(4, "little") + r for r in records)
+    (folder / f"pagemap-{pages_id}.img").write_bytes(raw)
+    (folder / f"pages-{pages_id}.img").write_bytes(bytes(pages))
+    (folder / "core-1.img").write_bytes(extra)
+    return folder
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
+    other = sorted(p.name for p in b.iterdir() if not p.name.startswith("."))
+    return names == other and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@pytest.fixture
+def hot_root() -> Iterator[Path]:
+    root = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, hot_root: Path) -> Settings:
+    return Settings(home=tmp_path / "home", criu=None, hot_dir=hot_root, store_workers=2)

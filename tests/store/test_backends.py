@@ -1,0 +1,62 @@
+"""The backend contract: every backend (a local folder; S3 through a real moto server) passes these."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from torpor.core.store.backend import Backend
+from torpor.errors import ObjectNotFound
+
+
+def test_store_then_load_gives_the_bytes_back(backend: Backend) -> None:
+    backend.store("chunks/ab/abcd", b"hello")
+    backend.store("config", b"")
+    backend.sync()
+    assert backend.load("chunks/ab/abcd") == b"hello"
+    assert backend.load("config") == b""
+    assert backend.exists("chunks/ab/abcd")
+
+
+def test_store_replaces_an_object(backend: Backend) -> None:
+    backend.store("manifests/x", b"one")
+    backend.store("manifests/x", b"two, longer")
+    assert backend.load("manifests/x") == b"two, longer"
+
+
+def test_missing_objects(backend: Backend) -> None:
+    with pytest.raises(ObjectNotFound):
+        backend.load("manifests/nope")
+    assert not backend.exists("manifests/nope")
+    backend.delete("manifests/nope")  # not an error
+
+
+def test_delete(backend: Backend) -> None:
+    backend.store("pins/a", b"")
+    backend.delete("pins/a")
+    assert not backend.exists("pins/a")
+    assert list(backend.list("pins")) == []
+
+
+def test_list_is_recursive_and_scoped(backend: Backend) -> None:
+    names = {"chunks/00/0011", "chunks/ff/ff22", "chunks/ff/ff33", "manifests/m1", "locks/s-1"}
+    for name in names:
+        backend.store(name, name.encode())
+    assert set(backend.list("chunks")) == {n for n in names if n.startswith("chunks/")}
+    assert set(backend.list("manifests")) == {"manifests/m1"}
+    assert list(backend.list("empty")) == []
+
+
+def test_large_object_and_parallel_writers(backend: Backend) -> None:
+    big = bytes(range(256)) * 20000
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: backend.store(f"chunks/{i:02x}/{i:04x}", big[i:]), range(32)))
+    backend.sync()
+    assert all(backend.load(f"chunks/{i:02x}/{i:04x}") == big[i:] for i in range(32))
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs", "a//b", ".hidden", "chunks/../x", ""])
+def test_names_cannot_escape(backend: Backend, name: str) -> None:
+    with pytest.raises(ValueError):
+        backend.store(name, b"x")
