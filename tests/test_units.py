@@ -1,0 +1,184 @@
+"""Small pieces without CRIU: SQLite records and their state machine, CRIU image and log parsing, error
+round trips across the launcher boundary, and the CLI's help and rendering.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import TORPOR
+from torpor.adapters import criu
+from torpor.apps import cli
+from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
+from torpor.errors import CheckpointNotFound, JobNotFound, RestoreFailed, UsageError, WrongState, from_dict
+
+# -- records ------------------------------------------------------------------------------------------
+
+
+def make_records(tmp_path: Path) -> Records:
+    records = Records(tmp_path / "torpor.db")
+    records.create_job(JobName("a"), ["sleep", "1"], "/", str(tmp_path / "a.log"))
+    return records
+
+
+def test_transition_checks_the_expected_state(tmp_path: Path) -> None:
+    records = make_records(tmp_path)
+    before = records.transition("a", {JobState.STARTING}, JobState.RUNNING, pid=42)
+    assert before.state == JobState.STARTING
+    job = records.job("a")
+    assert job.state == JobState.RUNNING and job.pid == 42
+    with pytest.raises(WrongState, match="is running"):
+        records.transition("a", {JobState.HIBERNATED}, JobState.RESTORING)
+    with pytest.raises(JobNotFound):
+        records.transition("b", {JobState.RUNNING}, JobState.EXITED)
+    with pytest.raises(UsageError, match="already exists"):
+        records.create_job(JobName("a"), ["true"], "/", "x")
+
+
+def _claim(path: str, results: multiprocessing.Queue[str]) -> None:
+    try:
+        Records(Path(path)).transition("a", {JobState.HIBERNATED}, JobState.RESTORING)
+        results.put("won")
+    except WrongState:
+        results.put("lost")
+
+
+def test_only_one_of_many_concurrent_claims_wins(tmp_path: Path) -> None:
+    records = make_records(tmp_path)
+    records.transition("a", {JobState.STARTING}, JobState.HIBERNATED)
+    ctx = multiprocessing.get_context("fork")
+    results: multiprocessing.Queue[str] = ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(str(records.path), results)) for _ in range(6)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(30)
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    results.close()
+    results.join_thread()
+    assert outcomes == ["lost"] * 5 + ["won"]
+
+
+def test_checkpoint_lookup_by_prefix(tmp_path: Path) -> None:
+    records = make_records(tmp_path)
+    for n, cid in enumerate(["abc111", "abc222", "def333"]):
+        records.add_checkpoint(
+            Checkpoint(CheckpointId(cid), JobName("a"), "checkpoint", float(n), 0.1, 0.2, 10, "4.2.1", None)
+        )
+    assert records.find_checkpoint("a", "def").id == "def333"
+    assert records.latest_checkpoint("a").id == "def333"  # type: ignore[union-attr]
+    with pytest.raises(CheckpointNotFound, match="matches 2"):
+        records.find_checkpoint("a", "abc")
+    with pytest.raises(CheckpointNotFound, match="no checkpoint"):
+        records.find_checkpoint("a", "zzz")
+    records.delete_job("a")
+    assert records.checkpoints() == []
+
+
+# -- CRIU images and logs -------------------------------------------------------------------------------
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def field(number: int, value: int | bytes) -> bytes:
+    if isinstance(value, int):
+        return varint(number << 3) + varint(value)
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+def image(*records: bytes) -> bytes:
+    return b"\x00" * 8 + b"".join(len(r).to_bytes(4, "little") + r for r in records)
+
+
+def test_dump_stats_are_read_from_stats_dump(tmp_path: Path) -> None:
+    dump = field(1, 1500) + field(2, 250_000) + field(3, 1000) + field(4, 2000) + field(7, 4096)
+    (tmp_path / "stats-dump").write_bytes(image(field(1, dump)))
+    stats = criu.read_dump_stats(tmp_path)
+    assert stats.frozen_s == pytest.approx(0.25) and stats.freezing_s == pytest.approx(0.0015)
+    assert stats.pages_written == 4096
+    assert criu.read_dump_stats(tmp_path / "missing").frozen_s == 0.0
+
+
+def test_open_files_and_socket_paths_are_read_from_files_img(tmp_path: Path) -> None:
+    reg_written = field(1, 7) + field(2, 0o100001) + field(6, b"/data/metrics.csv") + field(8, 123)
+    reg_library = field(1, 8) + field(2, 0) + field(6, b"/usr/lib/libc.so.6") + field(8, 999)
+    reg_log = field(1, 9) + field(2, 0o102001) + field(6, b"/var/log/job.log")
+    unix = field(1, 10) + field(11, b"/tmp/pymp-x/listener\x00")
+    (tmp_path / "files.img").write_bytes(
+        image(
+            field(1, 1) + field(2, 7) + field(3, reg_written),
+            field(1, 1) + field(2, 8) + field(3, reg_library),
+            field(1, 1) + field(2, 9) + field(3, reg_log),
+            field(1, 5) + field(2, 10) + field(16, unix),
+        )
+    )
+    files = {f.path: f for f in criu.open_files(tmp_path)}
+    assert files["/data/metrics.csv"] == criu.OpenFile("/data/metrics.csv", True, 123)
+    assert not files["/usr/lib/libc.so.6"].writable
+    assert files["/var/log/job.log"].size is None
+    assert criu.unix_socket_paths(tmp_path) == ["/tmp/pymp-x/listener"]
+
+
+def test_log_excerpt_keeps_errors_once_and_drops_noise(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.000001) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self\n"
+        "(00.1) some info\n"
+        "(00.2) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device\n"
+        "(00.3) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device\n"
+        "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.\n"
+    )
+    assert criu.log_excerpt(log) == [
+        "(00.2) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
+        "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.",
+    ]
+
+
+def test_criu_version_is_checked(tmp_path: Path) -> None:
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    fake.chmod(0o755)
+    assert criu.Criu(fake).require().version_tuple == (4, 2, 1)
+
+
+# -- errors and CLI -----------------------------------------------------------------------------------------
+
+
+def test_errors_cross_the_launcher_boundary() -> None:
+    error = RestoreFailed("it broke", details=["line 1"])
+    again = from_dict(error.to_dict())
+    assert type(again) is RestoreFailed and again.message == "it broke" and again.details == ["line 1"]
+    assert again.exit_code == 5
+
+
+def test_rendering_helpers() -> None:
+    assert cli.human_bytes(512) == "512 B"
+    assert cli.human_bytes(3 * 2**30) == "3.0 GiB"
+    assert cli.human_age(3725) == "1h02m"
+    assert cli.table(["A", "BB"], [["xyz", "1"]]).splitlines() == ["A    BB", "xyz  1"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["run", "ps", "logs", "checkpoint", "hibernate", "resume", "restore", "checkpoints", "stop", "rm", "doctor"],
+)
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run([TORPOR, command, "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "usage: torpor" in result.stdout
+
+
+def test_bad_flag_is_a_one_line_usage_error() -> None:
+    result = subprocess.run([TORPOR, "ps", "--bogus"], capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
