@@ -19,6 +19,7 @@ from typing import Any
 from torpor import __version__
 from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu
+from torpor.apps import slurm
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import Checkpoint
 from torpor.errors import TorporError
@@ -389,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "doctor", "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU", job=False
     ).set_defaults(func=None)
+    slurm.add_parser(sub)
     return parser
 
 
