@@ -33,7 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,7 @@ from torpor.core.records import (
     JobState,
     Records,
 )
-from torpor.core.store import ImageStore, open_store
+from torpor.core.store import GcResult, ImageStore, StoredImage, open_store
 from torpor.errors import (
     CheckpointNotFound,
     EnvironmentProblem,
@@ -337,7 +337,7 @@ class Engine:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         if shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None) is None:
             raise UsageError(f"command not found: {command[0]}")
-        name = name or self._free_name(Path(command[0]).name)
+        name = name or self._free_name(_name_from_command(command))
         _check_name(name)
         job_dir = self.settings.job_dir(name)
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -431,6 +431,45 @@ class Engine:
             self.records.job(name)
         return self.records.checkpoints(name)
 
+    # -- the image store -------------------------------------------------------------------------------
+
+    def image_states(self, checkpoints: list[Checkpoint]) -> dict[str, StoredImage | None]:
+        """Where each checkpoint's image is (staged, destaging, durable); ``None``: its image is gone."""
+        pinned = self.ctx.store.pinned()
+        states: dict[str, StoredImage | None] = {}
+        for checkpoint in checkpoints:
+            try:
+                image = self.ctx.store.state(checkpoint.id)
+            except TorporError:
+                states[checkpoint.id] = None
+                continue
+            states[checkpoint.id] = replace(image, pinned=checkpoint.id in pinned)
+        return states
+
+    def wait_durable(self, checkpoint_id: str, progress: Progress = _quiet) -> StoredImage:
+        """Return once the checkpoint's image is in the cold tier; raises the destager's error."""
+        shown = [""]
+
+        def show(image: StoredImage) -> None:
+            if image.state_text != shown[0]:
+                shown[0] = image.state_text
+                progress(image.state_text)
+
+        return self.ctx.store.wait_durable(checkpoint_id, show)
+
+    def pin(self, name: str, ref: str, pinned: bool = True) -> Checkpoint:
+        checkpoint = self.records.find_checkpoint(name, ref)
+        self.ctx.store.set_pinned(checkpoint.id, pinned)
+        return checkpoint
+
+    def gc(self, progress: Progress = _quiet) -> tuple[list[str], GcResult]:
+        """Apply retention to every job, then delete the chunks no checkpoint needs any more."""
+        removed: list[str] = []
+        for job in self.records.jobs():
+            removed.extend(apply_retention(self.ctx, job.name, progress))
+        progress("collecting unreferenced chunks")
+        return removed, self.ctx.store.gc()
+
     # -- checkpoint and hibernate ---------------------------------------------------------------------
 
     def checkpoint(self, name: str, hibernate: bool = False, progress: Progress = _quiet) -> Checkpoint:
@@ -472,7 +511,10 @@ class Engine:
             job = self.records.job(name)
         self.ctx.criu.require()
         started = time.monotonic()
-        previous = self.records.transition(name, RESTORABLE_STATES, JobState.RESTORING)
+        # while restoring, the launcher pid on record is this process: if it dies, `ps` marks the job failed
+        previous = self.records.transition(
+            name, RESTORABLE_STATES, JobState.RESTORING, launcher_pid=os.getpid()
+        )
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         try:
             if previous.pid and not system.wait_gone(
@@ -557,6 +599,31 @@ class Engine:
 
     def log_path(self, name: str) -> Path:
         return Path(self.records.job(name).log_path)
+
+
+_INTERPRETERS = (
+    "python",
+    "python3",
+    "bash",
+    "sh",
+    "node",
+    "ruby",
+    "perl",
+    "Rscript",
+    "julia",
+    "uv",
+    "torchrun",
+)
+
+
+def _name_from_command(command: list[str]) -> str:
+    """``python -u train.py`` → ``train``; ``./serve`` → ``serve``."""
+    program = Path(command[0]).name
+    if program.rstrip("0123456789.") in _INTERPRETERS:
+        for arg in command[1:]:
+            if not arg.startswith("-"):
+                return Path(arg).stem or program
+    return program
 
 
 def _check_name(name: str) -> None:

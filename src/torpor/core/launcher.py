@@ -225,7 +225,9 @@ class Launcher:
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
+    # server_close() waits for handlers, so a hibernation's reply is sent before the launcher exits
+    daemon_threads = False
+    block_on_close = True
     launcher: Launcher
 
 
