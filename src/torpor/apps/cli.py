@@ -160,8 +160,15 @@ def _checkpoint_line(verb: str, checkpoint: Checkpoint) -> str:
 
 def cmd_checkpoint(engine: Engine, args: argparse.Namespace) -> int:
     checkpoint = engine.checkpoint(args.name, hibernate=False, progress=_progress(args))
+    if args.wait and not args.json:
+        print(_checkpoint_line("checkpointed", checkpoint), flush=True)
+    image = engine.wait_durable(checkpoint.id, progress=_progress(args)) if args.wait else None
     if args.json:
-        _emit_json(asdict(checkpoint))
+        _emit_json(
+            {**asdict(checkpoint), **({"durable": True, "stored_bytes": image.stored_bytes} if image else {})}
+        )
+    elif image is not None:
+        print(f"{checkpoint.id} is durable: {human_bytes(image.stored_bytes)} new in the store")
     else:
         print(_checkpoint_line("checkpointed", checkpoint))
     return 0
@@ -196,23 +203,59 @@ def cmd_restore(engine: Engine, args: argparse.Namespace) -> int:
 
 def cmd_checkpoints(engine: Engine, args: argparse.Namespace) -> int:
     checkpoints = engine.checkpoints(args.name)
+    images = engine.image_states(checkpoints)
     if args.json:
-        _emit_json([asdict(c) for c in checkpoints])
+        _emit_json(
+            [
+                {
+                    **asdict(c),
+                    "state": image.state if (image := images.get(c.id)) else "missing",
+                    "progress": image.progress if image else None,
+                    "stored_bytes": image.stored_bytes if image else None,
+                    "pinned": image.pinned if image else False,
+                    "error": image.error if image else None,
+                }
+                for c in checkpoints
+            ]
+        )
         return 0
     rows = [
         [
-            c.id,
+            c.id + (" (pinned)" if (image := images.get(c.id)) and image.pinned else ""),
             c.job,
             c.kind,
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_at)),
             human_bytes(c.size_bytes),
+            human_bytes(image.stored_bytes) if image and image.state == "durable" else "-",
             f"{c.freeze_s:.3f} s",
             f"{c.total_s:.2f} s",
+            image.state_text if image else "missing",
         ]
         for c in checkpoints
     ]
-    headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "FROZEN", "TOTAL"]
+    headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "STORED", "FROZEN", "TOTAL", "STATE"]
     print(table(headers, rows) if rows else "no checkpoints")
+    return 0
+
+
+def cmd_gc(engine: Engine, args: argparse.Namespace) -> int:
+    removed, result = engine.gc(progress=_progress(args))
+    if args.json:
+        _emit_json({"removed_checkpoints": removed, **asdict(result)})
+    else:
+        print(
+            f"retention removed {len(removed)} checkpoint(s); {result.chunks_deleted} unreferenced chunk(s) "
+            f"deleted, {result.chunks_kept} kept for {result.checkpoints} checkpoint(s)"
+        )
+    return 0
+
+
+def cmd_pin(engine: Engine, args: argparse.Namespace) -> int:
+    checkpoint = engine.pin(args.name, args.checkpoint, pinned=not args.unpin)
+    if args.json:
+        _emit_json({"checkpoint": checkpoint.id, "pinned": not args.unpin})
+    else:
+        print(f"{'unpinned' if args.unpin else 'pinned'} {checkpoint.id} of {checkpoint.job}")
     return 0
 
 
@@ -359,7 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--tail", type=int, help="only the last N lines")
     p.set_defaults(func=cmd_logs)
 
-    add("checkpoint", "checkpoint a running job; it keeps running").set_defaults(func=cmd_checkpoint)
+    p = add("checkpoint", "checkpoint a running job; it keeps running")
+    p.add_argument(
+        "--wait", action="store_true", help="return once the checkpoint is durable (in the cold tier)"
+    )
+    p.set_defaults(func=cmd_checkpoint)
     add("hibernate", "checkpoint a running job, then stop it, freeing its memory").set_defaults(
         func=cmd_hibernate
     )
@@ -382,6 +429,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("stop", "stop a running job (SIGTERM, then SIGKILL); its checkpoints are kept")
     p.add_argument("--timeout", type=float, help="seconds between SIGTERM and SIGKILL (default 5)")
     p.set_defaults(func=cmd_stop)
+
+    p = add("pin", "keep a checkpoint whatever the retention (TORPOR_KEEP_LAST) says")
+    p.add_argument("checkpoint", help="checkpoint id or prefix")
+    p.add_argument("--unpin", action="store_true", help="let retention delete it again")
+    p.set_defaults(func=cmd_pin)
+
+    add(
+        "gc",
+        "apply retention, then delete stored chunks no checkpoint needs (safe while checkpointing)",
+        job=False,
+    ).set_defaults(func=cmd_gc)
 
     p = add("rm", "forget a job and delete its checkpoints")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")

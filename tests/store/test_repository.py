@@ -1,0 +1,182 @@
+"""The cold tier on every backend: chunking along addresses, dedup, zero elision, compression,
+verification on read, encryption, retention's deletes and gc (also while checkpoints are written)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from torpor.core.store.backend import Backend
+from torpor.core.store.repository import Repository, chunk_name
+from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
+
+from .conftest import same_files, write_image
+
+MiB = 1 << 20
+BASE = 0x7F0000000000
+
+
+def _random(n: int, seed: int = 0) -> bytes:
+    return os.urandom(n) if seed == 0 else bytes((i * seed) % 251 for i in range(n))
+
+
+def test_round_trip_is_exact_and_every_file_is_restored(backend: Backend, tmp_path: Path) -> None:
+    image = write_image(tmp_path / "img", {BASE: _random(3 * MiB), BASE + 64 * MiB: bytes(MiB)})
+    repo = Repository(backend, workers=4)
+    manifest = repo.write("c1", "job", image, {"criu_version": "4.2.1", "parent": None})
+    repo.read("c1", tmp_path / "out")
+    assert same_files(image, tmp_path / "out")
+    assert repo.ids() == ["c1"]
+    assert manifest.meta["criu_version"] == "4.2.1" and manifest.kernel
+    assert repo.manifest("c1").sizes["logical"] == 4 * MiB + len(b"core") + (image / "pagemap-1.img").stat().st_size
+
+
+def test_zero_pages_cost_nothing(backend: Backend, tmp_path: Path) -> None:
+    image = write_image(tmp_path / "img", {BASE: bytes(32 * MiB)})
+    manifest = Repository(backend).write("z", "job", image, {})
+    assert manifest.sizes["zero"] == 32 * MiB
+    assert manifest.sizes["new_bytes"] < 4096  # the small files only
+
+
+def test_an_unchanged_region_dedups_even_when_an_earlier_region_grew(backend: Backend, tmp_path: Path) -> None:
+    stable = _random(8 * MiB)
+    first = write_image(tmp_path / "a", {BASE: _random(MiB), BASE + 256 * MiB: stable})
+    # the earlier region grew by 5 pages: every byte of `stable` moved in the pages file
+    second = write_image(tmp_path / "b", {BASE: _random(MiB + 5 * 4096), BASE + 256 * MiB: stable})
+    repo = Repository(backend)
+    one = repo.write("one", "job", first, {})
+    two = repo.write("two", "job-b", second, {})
+    assert two.sizes["new_bytes"] < 1.3 * MiB < one.sizes["new_bytes"]
+    repo.read("two", tmp_path / "out")
+    assert same_files(second, tmp_path / "out")
+
+
+def test_compressible_data_is_compressed_and_random_data_is_not_inflated(backend: Backend, tmp_path: Path) -> None:
+    text = (b"the same training log line, again and again\n" * 100000)[: 4 * MiB]
+    repo = Repository(backend)
+    assert repo.write("t", "job", write_image(tmp_path / "t", {BASE: text}), {}).sizes["new_bytes"] < MiB / 10
+    noise = repo.write("n", "job", write_image(tmp_path / "n", {BASE: _random(4 * MiB)}), {})
+    assert noise.sizes["new_bytes"] < 4 * MiB * 1.01
+
+
+def _first_chunk(repo: Repository, checkpoint_id: str) -> str:
+    manifest = repo.manifest(checkpoint_id)
+    pages = next(f for f in manifest.files if f.name.startswith("pages-"))
+    chunk = pages.extents[0][2]
+    assert chunk is not None
+    return chunk
+
+
+def test_a_flipped_byte_is_refused_with_the_checkpoint_named(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend)
+    repo.write("good", "job", write_image(tmp_path / "img", {BASE: _random(2 * MiB)}), {})
+    name = chunk_name(_first_chunk(repo, "good"))
+    blob = bytearray(backend.load(name))
+    blob[len(blob) // 2] ^= 0x01
+    backend.store(name, bytes(blob))
+    with pytest.raises(CorruptImage, match="checkpoint good is damaged"):
+        repo.read("good", tmp_path / "out")
+
+
+def test_a_missing_chunk_is_refused(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend)
+    repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
+    backend.delete(chunk_name(_first_chunk(repo, "c")))
+    with pytest.raises(CorruptImage, match="missing"):
+        repo.read("c", tmp_path / "out")
+    assert not repo.intact("c")
+
+
+def test_a_manifest_cannot_write_outside_the_restore_folder(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend)
+    manifest = repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
+    evil = manifest.to_bytes().replace(b'"name":"core-1.img"', b'"name":"../../evil"')
+    backend.store("manifests/c", repo.codec.encode(2, evil))
+    with pytest.raises(CorruptImage, match="bad file name"):
+        repo.read("c", tmp_path / "out")
+    assert not (tmp_path / "evil").exists()
+
+
+def test_unknown_checkpoint(backend: Backend) -> None:
+    with pytest.raises(CheckpointNotFound):
+        Repository(backend).manifest("nope")
+
+
+def test_encrypted_store(backend: Backend, tmp_path: Path) -> None:
+    key = os.urandom(32)
+    secret = b"password=hunter2;" * 30000
+    image = write_image(tmp_path / "img", {BASE: secret[: (len(secret) // 4096) * 4096]})
+    repo = Repository(backend, key)
+    repo.write("c", "job", image, {"command": ["secret-tool"]})
+    for name in backend.list("chunks"):
+        assert b"hunter2" not in backend.load(name)
+    assert b"secret-tool" not in backend.load("manifests/c")
+    repo.read("c", tmp_path / "out")
+    assert same_files(image, tmp_path / "out")
+    with pytest.raises(KeyProblem, match="not the key"):
+        Repository(backend, os.urandom(32)).open()
+    with pytest.raises(KeyProblem, match="encrypted"):
+        Repository(backend).open()
+    name = chunk_name(_first_chunk(repo, "c"))
+    blob = bytearray(backend.load(name))
+    blob[-5] ^= 0x40
+    backend.store(name, bytes(blob))
+    with pytest.raises(CorruptImage, match="authentication"):
+        repo.read("c", tmp_path / "out2")
+
+
+def test_a_key_for_a_plain_store_is_refused(backend: Backend, tmp_path: Path) -> None:
+    Repository(backend).open()
+    with pytest.raises(KeyProblem, match="not encrypted"):
+        Repository(backend, os.urandom(32)).open()
+
+
+def test_gc_removes_only_unreferenced_chunks(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend)
+    shared = _random(MiB)
+    repo.write("a", "job", write_image(tmp_path / "a", {BASE: shared, BASE + MiB: _random(MiB)}), {})
+    repo.write("b", "job", write_image(tmp_path / "b", {BASE: shared, BASE + MiB: _random(MiB)}), {})
+    before = len(list(backend.list("chunks")))
+    repo.delete("a")
+    report = repo.gc()
+    assert report.chunks_deleted > 0 and report.chunks_kept == before - report.chunks_deleted
+    repo.read("b", tmp_path / "out")
+    assert same_files(tmp_path / "b", tmp_path / "out")
+    assert repo.gc().chunks_deleted == 0
+
+
+def test_gc_while_checkpoints_are_written_loses_nothing(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend, workers=2)
+    shared = _random(2 * MiB)
+    repo.write("old", "job", write_image(tmp_path / "old", {BASE: shared}), {})
+    repo.delete("old")  # its chunks are garbage now, and the writers below reuse them
+    errors: list[BaseException] = []
+
+    def writer(i: int) -> None:
+        try:
+            image = write_image(tmp_path / f"w{i}", {BASE: shared, BASE + 8 * MiB: _random(MiB)})
+            Repository(backend, workers=2).write(f"w{i}", f"job{i}", image, {})
+        except BaseException as exc:
+            errors.append(exc)
+
+    def collector() -> None:
+        try:
+            for _ in range(4):
+                Repository(backend).gc(timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=collector))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors
+    repo.gc()
+    for i in range(4):
+        repo.read(f"w{i}", tmp_path / f"out{i}")
+        assert same_files(tmp_path / f"w{i}", tmp_path / f"out{i}")
