@@ -31,7 +31,10 @@ def test_round_trip_is_exact_and_every_file_is_restored(backend: Backend, tmp_pa
     assert same_files(image, tmp_path / "out")
     assert repo.ids() == ["c1"]
     assert manifest.meta["criu_version"] == "4.2.1" and manifest.kernel
-    assert repo.manifest("c1").sizes["logical"] == 4 * MiB + len(b"core") + (image / "pagemap-1.img").stat().st_size
+    assert (
+        repo.manifest("c1").sizes["logical"]
+        == 4 * MiB + len(b"core") + (image / "pagemap-1.img").stat().st_size
+    )
 
 
 def test_zero_pages_cost_nothing(backend: Backend, tmp_path: Path) -> None:
@@ -41,7 +44,9 @@ def test_zero_pages_cost_nothing(backend: Backend, tmp_path: Path) -> None:
     assert manifest.sizes["new_bytes"] < 4096  # the small files only
 
 
-def test_an_unchanged_region_dedups_even_when_an_earlier_region_grew(backend: Backend, tmp_path: Path) -> None:
+def test_an_unchanged_region_dedups_even_when_an_earlier_region_grew(
+    backend: Backend, tmp_path: Path
+) -> None:
     stable = _random(8 * MiB)
     first = write_image(tmp_path / "a", {BASE: _random(MiB), BASE + 256 * MiB: stable})
     # the earlier region grew by 5 pages: every byte of `stable` moved in the pages file
@@ -54,7 +59,9 @@ def test_an_unchanged_region_dedups_even_when_an_earlier_region_grew(backend: Ba
     assert same_files(second, tmp_path / "out")
 
 
-def test_compressible_data_is_compressed_and_random_data_is_not_inflated(backend: Backend, tmp_path: Path) -> None:
+def test_compressible_data_is_compressed_and_random_data_is_not_inflated(
+    backend: Backend, tmp_path: Path
+) -> None:
     text = (b"the same training log line, again and again\n" * 100000)[: 4 * MiB]
     repo = Repository(backend)
     assert repo.write("t", "job", write_image(tmp_path / "t", {BASE: text}), {}).sizes["new_bytes"] < MiB / 10

@@ -1,0 +1,181 @@
+"""The hot tier and the destager: states, capacity, verification, and the faults of issue 3 —
+a destager killed mid-way, a cold tier that is full, a flipped byte — on synthetic CRIU images."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torpor.core.store import DURABLE, STAGED, TieredStore
+from torpor.core.store.repository import chunk_name
+from torpor.errors import CorruptImage, StorageFull, StoreError
+from torpor.settings import Settings
+
+from .conftest import same_files, write_image
+
+MiB = 1 << 20
+BASE = 0x7F0000000000
+
+
+def _stage(store: TieredStore, checkpoint_id: str, data: bytes, size_hint: int | None = None) -> Path:
+    staging = store.staging_dir(checkpoint_id, size_hint=size_hint)
+    write_image(staging, {BASE: data})
+    return staging
+
+
+def _wait(predicate: object, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_put_stages_in_ram_and_the_destager_makes_it_durable(settings: Settings, tmp_path: Path) -> None:
+    store = TieredStore(settings)
+    staging = _stage(store, "c1", os.urandom(4 * MiB))
+    assert staging.parent == settings.hot_path
+    original = tmp_path / "original"
+    write_image(original, {BASE: (staging / "pages-1.img").read_bytes()})
+    image = store.put("c1", "job", staging, {"criu_version": "4.2.1"})
+    assert image.state == STAGED and image.size_bytes > 4 * MiB
+    durable = store.wait_durable("c1", timeout=60)
+    assert durable.state == DURABLE and durable.stored_bytes > 4 * MiB
+    assert store.repo.manifest("c1").meta["criu_version"] == "4.2.1"
+    assert [i.checkpoint_id for i in store.list()] == ["c1"]
+    # restore from the hot copy, then from the cold tier alone
+    store.get("c1", store.restore_dir("c1"))
+    store.hot.remove("c1")
+    dest = store.restore_dir("c1")
+    store.get("c1", dest)
+    assert same_files(original, dest)
+
+
+def test_a_dump_that_does_not_fit_goes_straight_to_the_cold_tier(settings: Settings) -> None:
+    store = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=2 * MiB))
+    staging = _stage(store, "big", os.urandom(3 * MiB), size_hint=3 * MiB)
+    assert staging.parent != settings.hot_path
+    image = store.put("big", "job", staging, {})
+    assert image.state == DURABLE and not staging.exists()
+    assert store.hot.record("big") is None
+
+
+def test_durable_copies_leave_ram_oldest_first_when_over_capacity(settings: Settings) -> None:
+    store = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=7 * MiB))
+    for n in range(3):
+        store.put(f"c{n}", "job", _stage(store, f"c{n}", os.urandom(2 * MiB), size_hint=2 * MiB), {})
+        store.wait_durable(f"c{n}", timeout=60)
+    # a fourth that needs room: the oldest durable copy is dropped from RAM, not from the store
+    staging = _stage(store, "c3", os.urandom(2 * MiB), size_hint=2 * MiB)
+    assert staging.parent == settings.hot_path
+    assert store.hot.record("c0") is None and store.hot.record("c2") is not None
+    assert store.state("c0").state == DURABLE
+    store.discard(staging)
+
+
+def _destager_pid(store: TieredStore) -> int | None:
+    try:
+        text = store.lock_path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text else None
+
+
+def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, tmp_path: Path) -> None:
+    store = TieredStore(dataclasses.replace(settings, store_workers=1))
+    data = os.urandom(192 * MiB)
+    store.put("c1", "job", _stage(store, "c1", data), {})
+
+    def mid_way() -> bool:
+        record = store.hot.record("c1")
+        return record is not None and record.state == "destaging" and record.done_bytes > 0
+
+    _wait(mid_way, what="destaging to start")
+    pid = _destager_pid(store)
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: not store.destager_running(), what="the destager to die")
+    # no half checkpoint is listed: not durable, no manifest in the cold tier, some chunks already there
+    assert not store.repo.has("c1")
+    assert list(store.repo.backend.list("chunks"))
+    assert store.state("c1").state == STAGED
+    assert store.wait_durable("c1", timeout=120).state == DURABLE
+    store.hot.remove("c1")
+    store.get("c1", tmp_path / "out")
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == data
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "cold"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
+    settings: Settings, small_tmpfs: Path
+) -> None:
+    store = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs)))
+    data = os.urandom(16 * MiB)
+    store.put("c1", "job", _stage(store, "c1", data), {})
+    with pytest.raises(StoreError, match="no space left") as caught:
+        store.wait_durable("c1", timeout=60)
+    assert "stays in the hot tier" in caught.value.message
+    image = store.state("c1")
+    assert image.state == STAGED and image.error and "no space" in image.error
+    assert not store.repo.has("c1")
+    dest = store.restore_dir("c1")
+    store.get("c1", dest)  # still restorable from RAM
+    assert (dest / "pages-1.img").read_bytes() == data
+    # straight to the cold tier (no room in RAM): the error comes at once and the dump is left intact
+    tight = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs), hot_capacity_bytes=MiB))
+    staging = _stage(tight, "c2", os.urandom(16 * MiB), size_hint=16 * MiB)
+    with pytest.raises(StorageFull):
+        tight.put("c2", "job", staging, {})
+    assert (staging / "pages-1.img").stat().st_size == 16 * MiB
+
+
+def test_a_flipped_byte_is_refused_and_the_newest_good_checkpoint_named(settings: Settings) -> None:
+    store = TieredStore(settings)
+    stable = os.urandom(MiB)
+    for n in range(3):
+        store.put(f"c{n}", "job", _stage(store, f"c{n}", stable + os.urandom(MiB)), {})
+        store.wait_durable(f"c{n}", timeout=60)
+        store.hot.remove(f"c{n}")
+    manifest = store.repo.manifest("c2")
+    pages = next(f for f in manifest.files if f.name == "pages-1.img")
+    own = pages.extents[-1][2]  # a chunk only c2 has
+    assert own is not None
+    path = settings.images_dir / chunk_name(own)
+    blob = bytearray(path.read_bytes())
+    blob[100] ^= 0x04
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CorruptImage) as caught:
+        store.get("c2", store.restore_dir("c2"))
+    assert "checkpoint c2 is damaged" in caught.value.message
+    assert "newest intact checkpoint of this job is c1" in caught.value.message
+
+
+def test_a_corrupt_hot_copy_is_refused(settings: Settings) -> None:
+    store = TieredStore(settings)
+    store.put("c1", "job", _stage(store, "c1", os.urandom(MiB)), {})
+    store.wait_durable("c1", timeout=60)
+    pages = store.hot.image_dir("c1") / "pages-1.img"
+    blob = bytearray(pages.read_bytes())
+    blob[7] ^= 1
+    pages.write_bytes(bytes(blob))
+    with pytest.raises(CorruptImage, match="hot tier"):
+        store.get("c1", store.restore_dir("c1"))
