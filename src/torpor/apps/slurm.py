@@ -43,7 +43,8 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, TextIO
 
 from torpor.adapters import slurm
@@ -87,6 +88,58 @@ class SlurmJob:
         return torpor_job == self.base_name or torpor_job.startswith(self.base_name + "-r")
 
 
+@dataclass(frozen=True)
+class _Start:
+    name: str  # the torpor job now running
+    replay_to: int | None  # restored: its log up to here is the output before the checkpoint
+    follow_from: int  # where in its log the output of this run begins
+
+
+@dataclass
+class _OutputState:
+    """What Slurm's output file holds, kept in ``<home>/slurm/<id>.json`` across the job's runs."""
+
+    job: str | None = None  # the torpor job whose log was being copied
+    offset: int = 0  # how far into that log
+    written: int = 0  # bytes of job output in Slurm's file (it is truncated on a restart, unless appending)
+    marks: dict[str, int] = field(default_factory=dict)  # checkpoint id → size of the job's log then
+
+    @classmethod
+    def load(cls, path: Path) -> _OutputState:
+        try:
+            data = json.loads(path.read_text())
+            marks = {str(k): int(v) for k, v in dict(data.get("marks", {})).items()}
+            job = data.get("job")
+            return cls(
+                str(job) if job else None, int(data.get("offset", 0)), int(data.get("written", 0)), marks
+            )
+        except (OSError, ValueError, TypeError, AttributeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "format": 1,
+                    "job": self.job,
+                    "offset": self.offset,
+                    "written": self.written,
+                    "marks": self.marks,
+                }
+            )
+        )
+        os.replace(tmp, path)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 class Supervisor:
     """One run of a Slurm job: start or restore, forward output, answer signals, report the exit."""
 
@@ -108,20 +161,39 @@ class Supervisor:
         self.out = out
         self.err = err
         self.state_file = engine.settings.home / "slurm" / f"{job.job_id}.json"
+        self.output = _OutputState.load(self.state_file)
+        self.history = engine.settings.home / "slurm" / f"{job.job_id}.log"
         self.signals: list[int] = []
         self._wake_r = -1
 
     def say(self, text: str) -> None:
-        stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
-        print(f"{PREFIX} [{stamp}]: {text}", file=self.err, flush=True)
+        """Tell Slurm's error file, and ``<home>/slurm/<id>.log``, which outlives Slurm truncating it."""
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+        line = f"{PREFIX} [{stamp}]: {text}"
+        print(line, file=self.err, flush=True)
+        with contextlib.suppress(OSError):
+            self.history.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.history, "a") as history:
+                history.write(f"{line}\n")
 
     # -- the whole run --------------------------------------------------------------------------------
 
     def run(self) -> int:
         truncated = self._output_was_truncated()  # before anything is written to it
+        if truncated:
+            self.output.written = 0
         self._install_signal_handlers()
-        name, restored = self._start()
-        return self._supervise(name, self._start_offset(name) if restored and not truncated else 0)
+        start = self._start()
+        with open(self.engine.log_path(start.name), "rb") as log:
+            if start.replay_to is not None:
+                # a restored job: the earlier output up to its checkpoint, unless Slurm's file has it
+                done = self.output.offset if not truncated and self.output.job == start.name else 0
+                log.seek(min(done, start.replay_to))
+                self._write(log.read(max(0, start.replay_to - log.tell())))
+            log.seek(start.follow_from)
+            self.output.job = start.name
+            return self._supervise(start.name, log)
 
     def _install_signal_handlers(self) -> None:
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -144,22 +216,22 @@ class Supervisor:
 
     # -- starting -------------------------------------------------------------------------------------
 
-    def _start(self) -> tuple[str, bool]:
-        """Restore the newest usable checkpoint on a restart, else start cold; returns (name, restored)."""
+    def _start(self) -> _Start:
+        """Restore the newest usable checkpoint on a restart, else start cold."""
         if self.job.restart_count == 0:
             self._forget_earlier_jobs_with_this_id()
         else:
             restored = self._restore_newest()
             if restored is not None:
-                return restored, True
-        return self._cold_start(), False
+                return restored
+        return _Start(self._cold_start(), replay_to=None, follow_from=0)
 
     def _checkpoints(self) -> list[Checkpoint]:
         """This Slurm job's checkpoints, newest first (over all its incarnations)."""
         found = [c for c in self.engine.records.checkpoints() if self.job.owns(c.job)]
         return sorted(found, key=lambda c: c.created_at, reverse=True)
 
-    def _restore_newest(self) -> str | None:
+    def _restore_newest(self) -> _Start | None:
         candidates = self._checkpoints()
         if not candidates:
             self.say(
@@ -169,6 +241,7 @@ class Supervisor:
             return None
         for index, checkpoint in enumerate(candidates):
             try:
+                log_size = _size(self.engine.log_path(checkpoint.job))  # the restored job appends here
                 with self._term_ignored():
                     _, _, seconds = self.engine.restore(checkpoint.job, checkpoint.id)
             except TorporError as exc:
@@ -188,7 +261,9 @@ class Supervisor:
                 f"restart {self.job.restart_count}: restored {checkpoint.job} from {checkpoint.kind} "
                 f"{checkpoint.id} (taken {age:.0f} s ago) in {seconds:.2f} s; it continues where it was"
             )
-            return checkpoint.job
+            # the log holds the output up to the checkpoint, maybe more from the run that went on after it
+            at_checkpoint = min(self.output.marks.get(checkpoint.id, log_size), log_size)
+            return _Start(checkpoint.job, replay_to=at_checkpoint, follow_from=log_size)
         return None
 
     def _cold_start(self) -> str:
@@ -217,66 +292,50 @@ class Supervisor:
                     f"Slurm job numbered {self.job.job_id} (this is a first run, not a restart)"
                 )
         self.state_file.unlink(missing_ok=True)
+        self.history.unlink(missing_ok=True)
+        self.output = _OutputState()
 
     # -- output ---------------------------------------------------------------------------------------
 
-    def _forwarded_before(self) -> tuple[str | None, int]:
-        """(torpor job, log offset) up to which an earlier run copied the job's output to Slurm's file."""
-        try:
-            data = json.loads(self.state_file.read_text())
-            return str(data["job"]), int(data["offset"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None, 0
-
     def _output_was_truncated(self) -> bool:
         """Whether Slurm's output file lost the earlier runs' output (default) or kept it (append mode)."""
-        _, earlier = self._forwarded_before()
         try:
             size = os.fstat(self.out.fileno()).st_size
         except (OSError, ValueError, AttributeError):
             return True
-        return earlier == 0 or size < earlier
+        return self.output.written == 0 or size < self.output.written
 
-    def _start_offset(self, name: str) -> int:
-        """Append mode: skip the output an earlier run already copied (if it was this torpor job's)."""
-        job, offset = self._forwarded_before()
-        if job != name:
-            return 0
-        try:
-            return min(offset, self.engine.log_path(name).stat().st_size)
-        except OSError:
-            return 0
+    def _write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
+        self.output.written += len(data)
 
     def _forward(self, log: IO[bytes]) -> None:
         while chunk := log.read(1 << 16):
-            self.out.write(chunk)
-        self.out.flush()
+            self._write(chunk)
 
-    def _remember_forwarded(self, name: str, offset: int) -> None:
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_name(f".{self.state_file.name}.tmp")
-        tmp.write_text(json.dumps({"format": 1, "job": name, "offset": offset}))
-        os.replace(tmp, self.state_file)
+    def _save_output_state(self, log: IO[bytes]) -> None:
+        self.output.offset = log.tell()
+        with contextlib.suppress(OSError):
+            self.output.save(self.state_file)
 
     # -- supervising ----------------------------------------------------------------------------------
 
-    def _supervise(self, name: str, offset: int) -> int:
-        with open(self.engine.log_path(name), "rb") as log:
-            log.seek(offset)
-            next_checkpoint = time.monotonic() + self.interval_s if self.interval_s else None
-            while True:
+    def _supervise(self, name: str, log: IO[bytes]) -> int:
+        next_checkpoint = time.monotonic() + self.interval_s if self.interval_s else None
+        while True:
+            self._forward(log)
+            if self.signals:
+                return self._stop_for_slurm(name, self.signals[0], log)
+            if next_checkpoint is not None and time.monotonic() >= next_checkpoint:
+                self._periodic_checkpoint(name, log)
+                next_checkpoint = time.monotonic() + (self.interval_s or 0)
+                continue
+            job = self.engine.reconcile(self.engine.records.job(name))
+            if job.state in _ENDED:
                 self._forward(log)
-                if self.signals:
-                    return self._stop_for_slurm(name, self.signals[0], log)
-                if next_checkpoint is not None and time.monotonic() >= next_checkpoint:
-                    self._periodic_checkpoint(name)
-                    next_checkpoint = time.monotonic() + (self.interval_s or 0)
-                    continue
-                job = self.engine.reconcile(self.engine.records.job(name))
-                if job.state in _ENDED:
-                    self._forward(log)
-                    return self._exit_code(job)
-                self._sleep(_POLL_S)
+                return self._exit_code(job)
+            self._sleep(_POLL_S)
 
     def _sleep(self, seconds: float) -> None:
         ready, _, _ = select.select([self._wake_r], [], [], seconds)
@@ -290,13 +349,18 @@ class Supervisor:
             self.say(f"the job failed: {job.message or 'no reason recorded'} (exit {code})")
         return code
 
-    def _periodic_checkpoint(self, name: str) -> None:
+    def _periodic_checkpoint(self, name: str, log: IO[bytes]) -> None:
         try:
             checkpoint = self.engine.checkpoint(name, hibernate=False)
         except TorporError as exc:
             if self.engine.reconcile(self.engine.records.job(name)).state not in _ENDED:
                 self.say(f"periodic checkpoint failed: {exc.message}; the job keeps running")
             return
+        # the job kept running: the log may already hold a line or two printed after the freeze, which a
+        # restore from here then repeats (the exact offset is only known for hibernations)
+        self.output.marks[checkpoint.id] = _size(self.engine.log_path(name))
+        self._forward(log)
+        self._save_output_state(log)
         self.say(
             f"checkpoint {checkpoint.id}: frozen {checkpoint.freeze_s:.2f} s, "
             f"{checkpoint.size_bytes / 2**20:.1f} MiB"
@@ -330,12 +394,13 @@ class Supervisor:
             with contextlib.suppress(TorporError):
                 self.engine.stop(name, grace_s=0)
         else:
+            self.output.marks[checkpoint.id] = _size(self.engine.log_path(name))  # exact: the job is gone
             self.say(
                 f"hibernated as {checkpoint.id}: frozen {checkpoint.freeze_s:.2f} s, image "
                 f"{checkpoint.size_bytes / 2**20:.1f} MiB, {checkpoint.total_s:.2f} s in all; its memory is free"
             )
         self._forward(log)
-        self._remember_forwarded(name, log.tell())
+        self._save_output_state(log)
         return self._requeue(hold, signum)
 
     def _requeue(self, hold: bool, signum: int) -> int:
