@@ -177,8 +177,17 @@ def cmd_checkpoint(engine: Engine, args: argparse.Namespace) -> int:
 def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
     before = engine.status(args.name).rss_bytes
     checkpoint = engine.checkpoint(args.name, hibernate=True, progress=_progress(args))
+    if args.wait and not args.json:
+        print(
+            _checkpoint_line("hibernated", checkpoint) + f"; freed {human_bytes(before)} of memory",
+            flush=True,
+        )
+    image = engine.wait_durable(checkpoint.id, progress=_progress(args)) if args.wait else None
     if args.json:
-        _emit_json({**asdict(checkpoint), "freed_rss_bytes": before})
+        durable = {"durable": True, "stored_bytes": image.stored_bytes} if image else {}
+        _emit_json({**asdict(checkpoint), "freed_rss_bytes": before, **durable})
+    elif image is not None:
+        print(f"{checkpoint.id} is durable: {human_bytes(image.stored_bytes)} new in the store")
     else:
         print(_checkpoint_line("hibernated", checkpoint) + f"; freed {human_bytes(before)} of memory")
     return 0
@@ -407,9 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait", action="store_true", help="return once the checkpoint is durable (in the cold tier)"
     )
     p.set_defaults(func=cmd_checkpoint)
-    add("hibernate", "checkpoint a running job, then stop it, freeing its memory").set_defaults(
-        func=cmd_hibernate
+    p = add("hibernate", "checkpoint a running job, then stop it, freeing its memory")
+    p.add_argument(
+        "--wait", action="store_true", help="return once the checkpoint is durable (in the cold tier)"
     )
+    p.set_defaults(func=cmd_hibernate)
 
     p = add("resume", "restore a job from its latest checkpoint")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")

@@ -18,9 +18,11 @@ contract test suite, ``tests/store/test_backends.py``):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,14 +161,22 @@ class FolderBackend:
             finally:
                 os.close(fd)
 
-    def remove_leftovers(self) -> int:
-        """Delete temp files a crash left behind mid-``store`` (for gc); returns how many."""
+    def remove_leftovers(self, min_age_s: float = 3600.0) -> int:
+        """Delete temp files a crash left behind mid-``store`` (for gc); returns how many.
+
+        Only old ones: a young temp file may be a ``store`` in progress (lock objects are written
+        even while gc holds the store).
+        """
         removed = 0
+        cutoff = time.time() - min_age_s
         for dirpath, _dirnames, filenames in os.walk(self.root):
             for filename in filenames:
                 if filename.startswith(".") and filename.endswith(".tmp"):
-                    (Path(dirpath) / filename).unlink(missing_ok=True)
-                    removed += 1
+                    path = Path(dirpath) / filename
+                    with contextlib.suppress(FileNotFoundError):
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+                            removed += 1
         return removed
 
     def close(self) -> None:

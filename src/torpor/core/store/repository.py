@@ -96,10 +96,10 @@ class Repository:
         """Read the store's config (creating the store if it is new) and check the key against it."""
         if self._opened:
             return self
+        self.backend.create()
         try:
             config = json.loads(self.backend.load("config"))
         except ObjectNotFound:
-            self.backend.create()
             config = {
                 "format": STORE_FORMAT,
                 "version": STORE_VERSION,

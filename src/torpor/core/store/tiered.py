@@ -256,8 +256,8 @@ class TieredStore:
             if image.error and (seen_running or not running):
                 raise StoreError(
                     f"checkpoint {checkpoint_id} is not durable: {image.error}; it stays in the hot tier "
-                    f"{self.hot.root} (lost if the machine restarts). Fix the cause and run "
-                    "'torpor checkpoint --wait' again"
+                    f"{self.hot.root} (lost if the machine restarts); once the cause is fixed, the next "
+                    "checkpoint or 'torpor gc' stores it"
                 )
             if not running and time.monotonic() - kicked > 5:
                 self.kick()
@@ -296,5 +296,7 @@ class TieredStore:
         return self.repo.pinned()
 
     def gc(self) -> GcResult:
+        if not self.destager_running() and any(r.state != DURABLE for r in self.hot.records()):
+            self.kick()  # retry images a failure left staged (e.g. the cold tier was full)
         report = self.repo.gc()
         return GcResult(report.manifests, report.chunks_kept, report.chunks_deleted)

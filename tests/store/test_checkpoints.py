@@ -1,0 +1,137 @@
+"""The store under real checkpoints: real CRIU dumps of small real processes, through the CLI —
+durable checkpoints restored from the cold tier alone, dedup between checkpoints, a flipped byte, several
+jobs checkpointed at once while gc runs, and an encrypted S3 cold tier on a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import TORPOR, Torpor, python_job
+from torpor.core.store.backend import FolderBackend
+from torpor.core.store.repository import Repository, chunk_name
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def hot(torpor: Torpor) -> Iterator[Path]:
+    path = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    torpor.env["TORPOR_HOT_DIR"] = str(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def last_step(log: str) -> int:
+    return max(int(n) for n in re.findall(r"^step (\d+)$", log, re.M))
+
+
+def drop_hot_copies(hot: Path) -> None:
+    for entry in hot.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+
+
+def states(torpor: Torpor, job: str) -> dict[str, dict[str, object]]:
+    return {c["id"]: c for c in torpor.json("checkpoints", job)}
+
+
+def test_a_durable_checkpoint_restores_from_the_cold_tier_alone(torpor: Torpor, hot: Path) -> None:
+    torpor.run("run", "--name", "c", *python_job("counter.py"))
+    torpor.wait_log("c", "step 3")
+    out = torpor.run("checkpoint", "c", "--wait").stdout
+    assert re.search(r"is durable: .* new in the store", out)
+    first = torpor.json("checkpoints", "c")[0]
+    assert first["state"] == "durable" and first["stored_bytes"] < first["size_bytes"]
+    assert re.search(r"durable$", torpor.run("checkpoints").stdout, re.M)
+    # a second checkpoint of the same process stores only what changed
+    second = json.loads(torpor.run("checkpoint", "c", "--wait", "--json").stdout)
+    assert second["stored_bytes"] < first["stored_bytes"] / 2
+    torpor.run("hibernate", "c", "--wait")
+    at_hibernate = last_step(torpor.log("c"))
+    drop_hot_copies(hot)
+    torpor.run("resume", "c")
+    torpor.wait_for(lambda: last_step(torpor.log("c")) > at_hibernate + 3, what="progress after resume")
+
+
+def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, hot: Path) -> None:
+    torpor.run("run", "--name", "f", *python_job("counter.py"))
+    torpor.wait_log("f", "step 3")
+    torpor.run("hibernate", "f", "--wait")
+    checkpoint = torpor.json("checkpoints", "f")[0]["id"]
+    drop_hot_copies(hot)
+    repo = Repository(FolderBackend(torpor.home / "images"))
+    pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
+    chunk = next(c for _, _, c in pages.extents if c)
+    path = torpor.home / "images" / chunk_name(chunk)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    path.write_bytes(bytes(blob))
+    result = torpor.run("resume", "f", check=False)
+    assert result.returncode == 6
+    assert "Traceback" not in result.stderr
+    assert f"torpor: error: checkpoint {checkpoint} is damaged" in result.stderr
+    assert torpor.job("f")["state"] == "hibernated"
+
+
+def test_several_jobs_checkpointed_at_once_while_gc_runs(torpor: Torpor, hot: Path) -> None:
+    names = ["j0", "j1", "j2"]
+    for name in names:
+        torpor.run("run", "--name", name, *python_job("counter.py"))
+    for name in names:
+        torpor.wait_log(name, "step 2")
+    procs = [
+        subprocess.Popen([TORPOR, "checkpoint", name, "--wait", "-q"], env=torpor.env, stderr=subprocess.PIPE)
+        for name in names
+    ]
+    procs += [
+        subprocess.Popen([TORPOR, "gc", "-q"], env=torpor.env, stderr=subprocess.PIPE) for _ in range(3)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    torpor.run("gc")
+    drop_hot_copies(hot)
+    for name in names:
+        checkpoint = torpor.json("checkpoints", name)[0]
+        assert checkpoint["state"] == "durable"
+        torpor.run("stop", name, "--timeout", "0.1")
+        lines = torpor.log(name).count("\n")
+        torpor.run("restore", name, "--from", checkpoint["id"])
+        torpor.wait_for(lambda n=name, b=lines: torpor.log(n).count("\n") > b + 2, what=f"{name} to continue")
+
+
+def test_an_encrypted_s3_cold_tier(torpor: Torpor, hot: Path, s3_endpoint: str, tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    torpor.env.update(
+        TORPOR_STORE=f"s3://torpor-{uuid.uuid4().hex[:8]}/node-a",
+        TORPOR_S3_ENDPOINT=s3_endpoint,
+        TORPOR_KEY_FILE=str(key),
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    torpor.run("run", "--name", "s", *python_job("counter.py"))
+    torpor.wait_log("s", "step 3")
+    torpor.run("hibernate", "s", "--wait")
+    at_hibernate = last_step(torpor.log("s"))
+    drop_hot_copies(hot)
+    assert not (torpor.home / "images").exists()
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(os.urandom(32))
+    refused = Torpor(torpor.home, {**torpor.env, "TORPOR_KEY_FILE": str(wrong)}).run(
+        "resume", "s", check=False
+    )
+    assert refused.returncode == 6 and "is not the key of the store" in refused.stderr
+    assert torpor.job("s")["state"] == "hibernated"
+    torpor.run("resume", "s")
+    torpor.wait_for(lambda: last_step(torpor.log("s")) > at_hibernate + 3, what="progress after resume")
