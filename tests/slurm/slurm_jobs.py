@@ -1,8 +1,8 @@
-"""Fixtures for the Slurm tests: one real cluster per session, one torpor state folder per test.
+"""Helpers of the Slurm tests: submit jobs that run ``torpor slurm run`` on the test cluster and watch them.
 
-The cluster (munged, slurmctld, slurmd on loopback, see ``cluster.py``) starts once and is torn down at
-the end of the session, daemons killed. Each test submits real batch jobs that run ``torpor slurm run``
-with ``TORPOR_HOME`` pointing at its own folder, and cancels whatever it left in the queue.
+Each test gets one :class:`SlurmJobs` with its own ``TORPOR_HOME``; it submits real batch jobs and, at the
+end, cancels whatever it left in the queue. (Not a ``conftest.py``: a second module named ``conftest``
+would shadow the one of ``tests/`` that other test modules import.)
 """
 
 from __future__ import annotations
@@ -13,33 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-from cluster import Cluster, running_cluster, slurm_available
+from slurm_cluster import Cluster
 
 TORPOR = str(Path(sys.executable).parent / "torpor")
 TRAIN = Path(__file__).parent / "train.py"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
-
-SLURM_MISSING = slurm_available()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if SLURM_MISSING is None:
-        return
-    skip = pytest.mark.skip(reason=SLURM_MISSING)
-    for item in items:
-        if "slurm" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("slurm")) as running:
-        yield running
 
 
 def train_command(*args: str) -> list[str]:
@@ -183,10 +164,3 @@ def processes_of(home: Path) -> list[int]:
         except OSError:
             continue
     return found
-
-
-@pytest.fixture
-def jobs(cluster: Cluster, tmp_path: Path) -> Iterator[SlurmJobs]:
-    instance = SlurmJobs(cluster, tmp_path, tmp_path / "torpor-home")
-    yield instance
-    instance.cleanup()

@@ -15,15 +15,37 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurm_cluster import Cluster, running_cluster, slurm_available
+from slurm_jobs import SlurmJobs, processes_of, reference_output
 
-from conftest import SlurmJobs, processes_of, reference_output
+SLURM_MISSING = slurm_available()
 
-pytestmark = [pytest.mark.slurm, pytest.mark.criu, pytest.mark.timeout(150)]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.criu,
+    pytest.mark.timeout(150),
+    pytest.mark.skipif(SLURM_MISSING is not None, reason=str(SLURM_MISSING)),
+]
 
 ARGS = ["--steps", "60", "--step-s", "0.1"]
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """munged, slurmctld and slurmd on loopback for the whole session; the daemons are killed after."""
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as running:
+        yield running
+
+
+@pytest.fixture
+def jobs(cluster: Cluster, tmp_path: Path) -> Iterator[SlurmJobs]:
+    instance = SlurmJobs(cluster, tmp_path, tmp_path / "torpor-home")
+    yield instance
+    instance.cleanup()
 
 
 def step_lines(text: str) -> list[str]:
