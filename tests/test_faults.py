@@ -54,7 +54,13 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_unknown_job(torpor: Torpor) -> None:
-    for command in (["checkpoint", "nope"], ["resume", "nope"], ["logs", "nope"], ["rm", "nope"], ["stop", "nope"]):
+    for command in (
+        ["checkpoint", "nope"],
+        ["resume", "nope"],
+        ["logs", "nope"],
+        ["rm", "nope"],
+        ["stop", "nope"],
+    ):
         assert_one_line_error(torpor.run(*command, check=False), 2, "no job named 'nope'")
 
 
@@ -88,7 +94,9 @@ def test_two_resumes_at_once_one_wins(torpor: Torpor) -> None:
     torpor.wait_log("r", "step 2")
     torpor.run("hibernate", "r")
     procs = [
-        subprocess.Popen([TORPOR, "resume", "r"], env=torpor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [TORPOR, "resume", "r"], env=torpor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     results = [(p.communicate(timeout=60)[1], p.returncode) for p in procs]
@@ -100,7 +108,9 @@ def test_two_resumes_at_once_one_wins(torpor: Torpor) -> None:
 def test_criu_missing_or_too_old(torpor: Torpor, tmp_path: Path) -> None:
     env = {**torpor.env, "TORPOR_CRIU": str(tmp_path / "no-criu")}
     missing = Torpor(torpor.home, env).run("doctor", check=False)
-    assert missing.returncode == 3 and "no-criu" in missing.stdout and "cannot checkpoint here" in missing.stdout
+    assert (
+        missing.returncode == 3 and "no-criu" in missing.stdout and "cannot checkpoint here" in missing.stdout
+    )
     old = tmp_path / "old-criu"
     old.write_text("#!/bin/sh\necho 'Version: 3.17'\n")
     old.chmod(0o755)
@@ -110,13 +120,17 @@ def test_criu_missing_or_too_old(torpor: Torpor, tmp_path: Path) -> None:
 
 
 @pytest.mark.criu
-def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(torpor: Torpor, tmp_path: Path) -> None:
+def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(
+    torpor: Torpor, tmp_path: Path
+) -> None:
     torpor.run("run", "--name", "old", *python_job("counter.py"))
     torpor.wait_log("old", "step 2")
     fake = tmp_path / "criu"
     fake.write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
     fake.chmod(0o755)
-    result = Torpor(torpor.home, {**torpor.env, "TORPOR_CRIU": str(fake)}).run("checkpoint", "old", check=False)
+    result = Torpor(torpor.home, {**torpor.env, "TORPOR_CRIU": str(fake)}).run(
+        "checkpoint", "old", check=False
+    )
     assert_one_line_error(result, 3, "too old")
     missing = {**torpor.env, "TORPOR_CRIU": str(tmp_path / "none")}
     result = Torpor(torpor.home, missing).run("hibernate", "old", check=False)
@@ -182,7 +196,11 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     torpor.wait_log("dies", "step 1", timeout=120)
     pid = torpor.job("dies")["pid"]
     proc = subprocess.Popen(
-        [TORPOR, "checkpoint", "dies"], env=torpor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [TORPOR, "checkpoint", "dies"],
+        env=torpor.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stderr is not None
     assert "dumping" in proc.stderr.readline()

@@ -87,13 +87,16 @@ def test_job_with_threads_child_file_and_tcp_survives_twice(torpor: Torpor, tmp_
     for round_ in range(2):
         torpor.run("checkpoint", "cx")
         before = torpor.log("cx").count("\n")
-        torpor.wait_for(lambda b=before: torpor.log("cx").count("\n") > b + 3, what="progress after checkpoint")
+        torpor.wait_for(
+            lambda b=before: torpor.log("cx").count("\n") > b + 3, what="progress after checkpoint"
+        )
         torpor.run("hibernate", "cx")
         assert torpor.job("cx")["state"] == "hibernated"
         lines_at_hibernate = torpor.log("cx").count("\n")
         torpor.run("resume", "cx")
         torpor.wait_for(
-            lambda n=lines_at_hibernate: torpor.log("cx").count("\n") > n + 5, what=f"progress after resume {round_}"
+            lambda n=lines_at_hibernate: torpor.log("cx").count("\n") > n + 5,
+            what=f"progress after resume {round_}",
         )
     log = torpor.log("cx")
     assert "ERROR" not in log
@@ -104,7 +107,9 @@ def test_job_with_threads_child_file_and_tcp_survives_twice(torpor: Torpor, tmp_
     assert int(threads[-1][0]) > int(threads[0][0]) and int(threads[-1][1]) > int(threads[0][1])
     # the file the job keeps writing went on growing across the restores, with no gaps
     written = data.read_text().splitlines()
-    assert written and [int(line.split()[1]) for line in written] == sorted(int(line.split()[1]) for line in written)
+    assert written and [int(line.split()[1]) for line in written] == sorted(
+        int(line.split()[1]) for line in written
+    )
     assert len(written) >= len(numbers) - 1
 
 

@@ -172,7 +172,19 @@ def test_rendering_helpers() -> None:
 
 @pytest.mark.parametrize(
     "command",
-    ["run", "ps", "logs", "checkpoint", "hibernate", "resume", "restore", "checkpoints", "stop", "rm", "doctor"],
+    [
+        "run",
+        "ps",
+        "logs",
+        "checkpoint",
+        "hibernate",
+        "resume",
+        "restore",
+        "checkpoints",
+        "stop",
+        "rm",
+        "doctor",
+    ],
 )
 def test_every_command_has_help(command: str) -> None:
     result = subprocess.run([TORPOR, command, "--help"], capture_output=True, text=True, check=False)
