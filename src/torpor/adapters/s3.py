@@ -73,9 +73,10 @@ class S3Backend:
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise self._error(exc, "creating the bucket") from exc
 
-    def store(self, name: str, data: bytes) -> None:
+    def store(self, name: str, *parts: bytes | memoryview) -> None:
+        body = b"".join(parts)
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body)
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise self._error(exc, f"writing {name}") from exc
 

@@ -38,8 +38,8 @@ class Backend(Protocol):
     def create(self) -> None:
         """Make the container (folder, bucket prefix) if it is missing; idempotent."""
 
-    def store(self, name: str, data: bytes) -> None:
-        """Write object ``name`` atomically (replacing any object of that name)."""
+    def store(self, name: str, *parts: bytes | memoryview) -> None:
+        """Write object ``name``, the concatenation of ``parts``, atomically (replacing any of that name)."""
 
     def load(self, name: str) -> bytes:
         """The bytes of object ``name``."""
@@ -93,7 +93,7 @@ class FolderBackend:
         except OSError as exc:
             raise _error(exc, f"cannot create the store folder {self.root}") from exc
 
-    def store(self, name: str, data: bytes) -> None:
+    def store(self, name: str, *parts: bytes | memoryview) -> None:
         path = self._path(name)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -105,9 +105,10 @@ class FolderBackend:
                     self._dirty.update(p for p in path.parents if p == self.root or self.root in p.parents)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)

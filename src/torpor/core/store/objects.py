@@ -36,6 +36,8 @@ KIND_CONFIG = 3
 
 #: store compressed only when it saves at least this fraction
 _MIN_SAVING = 0.03
+#: bytes compressed first to tell whether compressing the whole object is worth it
+_PROBE = 16 << 10
 
 
 def read_key_file(path: Path) -> bytes:
@@ -97,17 +99,28 @@ class Codec:
 
     def encode(self, kind: int, data: bytes | memoryview, digest: bytes | None = None) -> bytes:
         """The stored form of ``data`` (``digest``: its :meth:`digest`, when the caller has it)."""
+        return b"".join(self.encode_parts(kind, data, digest))
+
+    def encode_parts(
+        self, kind: int, data: bytes | memoryview, digest: bytes | None = None
+    ) -> tuple[bytes, bytes | memoryview]:
+        """:meth:`encode` as (header, payload), so a backend can write them without joining (a copy)."""
         digest = digest or self.digest(data)
         flags = 0
         payload: bytes | memoryview = data
-        compressed = self._zstd()[0].compress(data)
-        if len(compressed) <= len(data) * (1 - _MIN_SAVING):
-            payload, flags = compressed, FLAG_ZSTD
+        compressor = self._zstd()[0]
+        # a cheap probe first: random memory (most of a trained model) does not compress, and zstd on
+        # all of it would cost more than everything else the destager does
+        probe = data[:_PROBE]
+        if len(data) <= _PROBE or len(compressor.compress(probe)) <= len(probe) * (1 - _MIN_SAVING):
+            compressed = compressor.compress(data)
+            if len(compressed) <= len(data) * (1 - _MIN_SAVING):
+                payload, flags = compressed, FLAG_ZSTD
         if self._aead is not None:
             flags |= FLAG_SEALED
             header = HEADER.pack(MAGIC, flags, kind, 0, len(data), digest)
-            return header + self._aead.seal(bytes(payload), header)
-        return HEADER.pack(MAGIC, flags, kind, 0, len(data), digest) + bytes(payload)
+            return header, self._aead.seal(bytes(payload), header)
+        return HEADER.pack(MAGIC, flags, kind, 0, len(data), digest), payload
 
     def decode(self, kind: int, blob: bytes, what: str, expect: bytes | None = None) -> bytes:
         """The verified plaintext of a stored object; ``expect``: the digest its name promises."""

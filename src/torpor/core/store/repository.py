@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNo
 
 STORE_FORMAT = "torpor-store"
 STORE_VERSION = 1
-DEFAULT_CHUNK_SIZE = 256 << 10
+DEFAULT_CHUNK_SIZE = 1 << 20
 
 #: (bytes done, bytes in all)
 ProgressFn = Callable[[int, int], None]
@@ -157,8 +158,8 @@ class Repository:
         with self.lock.hold(SHARED, timeout=600) as held:
             known = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
 
-            def one(fd: int, offset: int, length: int) -> Extent:
-                data = os.pread(fd, length, offset)
+            def one(view: memoryview, offset: int, length: int) -> Extent:
+                data = view[offset : offset + length]
                 if len(data) != length:
                     raise StoreError(f"{image_dir} changed while it was being stored")
                 chunk: str | None = None
@@ -170,9 +171,9 @@ class Repository:
                         fresh = chunk not in known and digest not in claimed
                         claimed.add(digest)
                     if fresh:
-                        blob = self.codec.encode(KIND_CHUNK, data, digest)
-                        self.backend.store(chunk_name(chunk), blob)
-                        new = len(blob)
+                        header, payload = self.codec.encode_parts(KIND_CHUNK, data, digest)
+                        self.backend.store(chunk_name(chunk), header, payload)
+                        new = len(header) + len(payload)
                 with guard:
                     counters["done"] += length
                     if chunk is None:
@@ -186,9 +187,13 @@ class Repository:
             last_report = 0.0
             with ThreadPoolExecutor(self.workers, thread_name_prefix="destage") as pool:
                 for plan in plans:
-                    fd = os.open(image_dir / plan.name, os.O_RDONLY)
+                    # mapped, not read: the chunks are hashed, compressed and written from the hot tier's
+                    # pages without a copy
+                    mapping = _map(image_dir / plan.name, plan.size)
+                    view = memoryview(mapping)
+                    futures = []
                     try:
-                        futures = [pool.submit(one, fd, off, length) for off, length in plan.pieces]
+                        futures = [pool.submit(one, view, off, length) for off, length in plan.pieces]
                         extents: list[Extent] = []
                         for future in futures:
                             extents.append(future.result())
@@ -200,7 +205,11 @@ class Repository:
                     finally:
                         for future in futures:
                             future.cancel()
-                        os.close(fd)
+                        wait(futures)
+                        if isinstance(mapping, mmap.mmap):
+                            view.release()
+                            with contextlib.suppress(BufferError):  # a failed task may still hold a slice
+                                mapping.close()
                     files.append(FileEntry(plan.name, plan.size, tuple(_merge_zeros(extents))))
             self.backend.sync()
             chunks = [c for f in files for _, _, c in f.extents if c is not None]
@@ -366,6 +375,16 @@ class Repository:
     def close(self) -> None:
         with contextlib.suppress(StoreError):
             self.backend.close()
+
+
+def _map(path: Path, size: int) -> mmap.mmap | bytes:
+    if size == 0:
+        return b""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def _merge_zeros(extents: list[Extent]) -> list[Extent]:

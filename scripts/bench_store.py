@@ -1,0 +1,409 @@
+"""Benchmarks of the store (issue 3), each a ratio against raw CRIU on the same process, in one run.
+
+1. **Stored bytes, incremental**: a process holding 1 GiB of random memory, checkpointed (durable), then
+   5 % of its memory (one contiguous region) rewritten, then checkpointed again: bytes the second
+   checkpoint added to the store vs the raw CRIU image of the same process.
+2. **Zero pages**: a process holding 4 GiB of touched zero pages: bytes stored vs its raw CRIU image.
+3. **Freeze time**: torpor's checkpoint (CRIU's frozen time, dumping into the hot tier) vs raw
+   ``criu dump --leave-running`` of the same process into a folder on disk.
+4. **Time until durable**: torpor's checkpoint until the destager has made it durable in the cold tier
+   (the memory fully rewritten before each, so every chunk is new) vs raw dump plus fsync of every file.
+5. **Restore**: ``torpor resume`` of a hibernated job from the hot tier and from the cold tier alone vs
+   raw ``criu restore -d`` of the same process's raw image (page cache warm).
+6. **Lazy restore**: not supported yet (reported as such).
+7. **Destager throughput per core**: chunking + hashing + compressing + storing a 1 GiB random image with
+   one worker thread, and with two.
+
+Each timing is the median of ``--repeat`` runs, torpor and raw alternating which goes first. Writes
+its section of ``docs/benchmarks.md`` between ``<!-- store:begin -->`` and ``<!-- store:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DOC = HERE.parent / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- store:begin -->", "<!-- store:end -->"
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+# -- the workload (run as a job: ``bench_store.py --workload random|zeros BYTES``) ----------------------
+
+
+def workload(kind: str, size: int) -> int:
+    import numpy as np
+
+    memory = np.zeros(size, dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    step = 64 * MIB
+
+    def fill(start: int, end: int) -> None:
+        for at in range(start, end, step):
+            stop = min(at + step, end)
+            memory[at:stop] = rng.integers(0, 256, size=stop - at, dtype=np.uint8)
+
+    if kind == "random":
+        fill(0, size)
+    else:
+        memory[::4096] = 1  # touch every page ...
+        memory[::4096] = 0  # ... and leave it zero
+    changes = 0
+
+    def change(signum: int, _frame: object) -> None:
+        nonlocal changes
+        if signum == signal.SIGUSR1:  # 5 %, one contiguous region
+            start = (size * 2 // 5) // 4096 * 4096
+            fill(start, start + size // 20)
+        else:
+            fill(0, size)
+        changes += 1
+        print(f"changed {changes}", flush=True)
+
+    signal.signal(signal.SIGUSR1, change)
+    signal.signal(signal.SIGUSR2, change)
+    print("ready", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Bench:
+    def __init__(self, work: Path, hot: Path, repeat: int) -> None:
+        from torpor.core.engine import Engine
+        from torpor.settings import Settings
+
+        self.work = work
+        self.repeat = repeat
+        self.settings = Settings.from_environment(home=str(work / "home"))
+        from dataclasses import replace
+
+        self.settings = replace(self.settings, hot_dir=hot, store_workers=2)
+        self.engine = Engine(self.settings)
+        assert self.settings.criu is not None
+        self.criu = self.settings.criu
+        self.n = 0
+        self.rows: list[tuple[str, str, str, str, str]] = []
+
+    # -- jobs and raw CRIU --
+
+    def start(self, name: str, kind: str, size: int) -> None:
+        self.engine.run(
+            name,
+            [sys.executable, "-u", str(Path(__file__).resolve()), "--workload", kind, str(size)],
+            str(HERE),
+        )
+        self.wait_log(name, "ready", 600)
+
+    def wait_log(self, name: str, text: str, timeout: float = 300) -> None:
+        log = self.engine.log_path(name)
+        wait_for(
+            lambda: log.exists() and text in log.read_text(errors="replace"), f"{text!r} from {name}", timeout
+        )
+
+    def signal(self, name: str, sig: int) -> None:
+        job = self.engine.records.job(name)
+        assert job.pid
+        count = self.engine.log_path(name).read_text().count("changed")
+        os.kill(job.pid, sig)
+        wait_for(lambda: self.engine.log_path(name).read_text().count("changed") > count, "the change", 300)
+
+    def raw_dump(
+        self, name: str, leave_running: bool = True, fsync: bool = False
+    ) -> tuple[float, float, int, Path]:
+        """(frozen s, wall s incl. fsync if asked, image bytes, folder) of a raw dump of job ``name``."""
+        from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, read_dump_stats
+
+        pid = self.engine.records.job(name).pid
+        self.n += 1
+        images = self.work / f"raw-{self.n}"
+        images.mkdir()
+        command = [
+            str(self.criu),
+            "dump",
+            "--tree",
+            str(pid),
+            "--images-dir",
+            str(images),
+            "--log-file",
+            str(self.work / f"raw-{self.n}.log"),
+            *COMMON_OPTIONS,
+            *DUMP_OPTIONS,
+            "--ghost-limit",
+            GHOST_LIMIT,
+        ]
+        if leave_running:
+            command.append("--leave-running")
+        began = time.monotonic()
+        subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
+        if fsync:
+            for entry in images.iterdir():
+                fd = os.open(entry, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            fd = os.open(images, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        wall = time.monotonic() - began
+        return read_dump_stats(images).frozen_s or wall, wall, dir_bytes(images), images
+
+    def raw_restore(self, images: Path) -> float:
+        from torpor.adapters.criu import COMMON_OPTIONS
+
+        pidfile = images / "restored.pid"
+        began = time.monotonic()
+        subprocess.run(
+            [
+                str(self.criu),
+                "restore",
+                "--images-dir",
+                str(images),
+                "--log-file",
+                str(images / "restore.log"),
+                "--restore-detached",
+                "--pidfile",
+                str(pidfile),
+                *COMMON_OPTIONS,
+            ],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+        )
+        wall = time.monotonic() - began
+        pid = int(pidfile.read_text())
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        return wall
+
+    def checkpoint(self, name: str, hibernate: bool = False) -> tuple[float, float, str, int]:
+        """(frozen s, s until durable, checkpoint id, bytes it added to the store)."""
+        began = time.monotonic()
+        checkpoint = self.engine.checkpoint(name, hibernate=hibernate)
+        image = self.engine.wait_durable(checkpoint.id)
+        durable = time.monotonic() - began
+        wait_for(lambda: not self.engine.ctx.store.destager_running(), "the destager to go idle", 120)  # type: ignore[attr-defined]
+        return checkpoint.freeze_s, durable, checkpoint.id, image.stored_bytes
+
+    def add(self, what: str, torpor: str, raw: str, ratio: str, bar: str) -> None:
+        self.rows.append((what, torpor, raw, ratio, bar))
+        say(f"  {what}: torpor {torpor}, raw {raw}, ratio {ratio} (bar {bar})")
+
+    # -- the measurements --
+
+    def incremental(self) -> None:
+        say("== 1 GiB of random memory: stored bytes, freeze, durable, restore ==")
+        name = "rand"
+        self.start(name, "random", GIB)
+        _, _, raw_bytes, raw_dir = self.raw_dump(name)
+        shutil.rmtree(raw_dir)
+        self.checkpoint(name)
+        self.signal(name, signal.SIGUSR1)
+        _, _, _, second = self.checkpoint(name)
+        self.add(
+            "stored bytes of the 2nd checkpoint after 5 % changed",
+            f"{second / MIB:.1f} MiB",
+            f"{raw_bytes / MIB:.1f} MiB",
+            f"{second / raw_bytes * 100:.2f} %",
+            "≤ 10 %",
+        )
+        freeze_t, freeze_r, durable_t, durable_r = [], [], [], []
+        for rep in range(self.repeat):
+            self.signal(name, signal.SIGUSR2)  # every chunk new
+            order = [0, 1] if rep % 2 == 0 else [1, 0]
+            for side in order:
+                if side == 0:
+                    frozen, durable, _, _ = self.checkpoint(name)
+                    freeze_t.append(frozen)
+                    durable_t.append(durable)
+                else:
+                    frozen, wall, _, raw_dir = self.raw_dump(name, fsync=True)
+                    shutil.rmtree(raw_dir)
+                    freeze_r.append(frozen)
+                    durable_r.append(wall)
+        self.add(
+            "freeze time (CRIU frozen)",
+            f"{med(freeze_t):.2f} s",
+            f"{med(freeze_r):.2f} s",
+            f"{med(freeze_t) / med(freeze_r):.2f}x",
+            "≤ 1.1x",
+        )
+        self.add(
+            "time until durable (raw: dump + fsync)",
+            f"{med(durable_t):.2f} s",
+            f"{med(durable_r):.2f} s",
+            f"{med(durable_t) / med(durable_r):.2f}x",
+            "≤ 1.0x",
+        )
+        hot_t, cold_t, raw_t = [], [], []
+        for _rep in range(self.repeat):
+            frozen, wall, _, raw_dir = self.raw_dump(name)
+            self.checkpoint(name, hibernate=True)
+            launcher_gone(self, name)
+            raw_t.append(self.raw_restore(raw_dir))
+            shutil.rmtree(raw_dir)
+            began = time.monotonic()
+            self.engine.restore(name)
+            hot_t.append(time.monotonic() - began)
+            self.checkpoint(name, hibernate=True)
+            launcher_gone(self, name)
+            for entry in self.settings.hot_path.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+            began = time.monotonic()
+            self.engine.restore(name)
+            cold_t.append(time.monotonic() - began)
+        self.add(
+            "restore from the hot tier",
+            f"{med(hot_t):.2f} s",
+            f"{med(raw_t):.2f} s",
+            f"{med(hot_t) / med(raw_t):.2f}x",
+            "≤ 1.1x",
+        )
+        self.add(
+            "restore from the cold tier",
+            f"{med(cold_t):.2f} s",
+            f"{med(raw_t):.2f} s",
+            f"{med(cold_t) / med(raw_t):.2f}x",
+            "≤ 1.5x",
+        )
+        self.engine.remove(name, force=True)
+
+    def zeros(self) -> None:
+        say("== 4 GiB of touched zero pages ==")
+        name = "zeros"
+        self.start(name, "zeros", 4 * GIB)
+        _, _, raw_bytes, raw_dir = self.raw_dump(name)
+        shutil.rmtree(raw_dir)
+        _, _, _, stored = self.checkpoint(name)
+        self.add(
+            "stored bytes, 4 GiB of touched zero pages",
+            f"{stored / MIB:.2f} MiB",
+            f"{raw_bytes / MIB:.0f} MiB",
+            f"{stored / raw_bytes * 100:.3f} %",
+            "< 1 %",
+        )
+        self.engine.remove(name, force=True)
+
+    def destager(self) -> None:
+        say("== destager throughput ==")
+        from torpor.core.store.backend import FolderBackend
+        from torpor.core.store.repository import Repository
+
+        name = "tp"
+        self.start(name, "random", GIB)
+        _, _, size, raw_dir = self.raw_dump(name)
+        self.engine.remove(name, force=True)
+        image = self.settings.hot_path / "bench-image"
+        shutil.copytree(raw_dir, image)
+        shutil.rmtree(raw_dir)
+        for workers in (1, 2):
+            target = self.work / f"tp-{workers}"
+            repo = Repository(FolderBackend(target), workers=workers)
+            began = time.monotonic()
+            repo.write("tp", "bench", image, {})
+            seconds = time.monotonic() - began
+            shutil.rmtree(target)
+            self.add(
+                f"destager, {workers} worker thread(s)", f"{size / seconds / MIB:.0f} MiB/s", "-", "-", "-"
+            )
+        shutil.rmtree(image)
+
+
+def launcher_gone(bench: Bench, name: str) -> None:
+    """Wait for a hibernated job's launcher to exit before restoring it (see scripts/bench.py)."""
+    from torpor.adapters import system
+
+    pid = bench.engine.records.job(name).launcher_pid
+    if pid:
+        wait_for(lambda: not system.is_alive(pid), "the launcher to exit", 30)
+
+
+def write_section(lines: list[str]) -> None:
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEach section is written by its own script.\n"
+    section = "\n".join([BEGIN, *lines, END])
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--workload":
+        return workload(sys.argv[2], int(sys.argv[3]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", choices=["incremental", "zeros", "destager"], action="append")
+    args = parser.parse_args()
+    from torpor.adapters import system
+
+    system.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
+    work = Path(tempfile.mkdtemp(prefix="torpor-bench-store-", dir="/var/tmp"))
+    hot = Path("/dev/shm") / work.name
+    bench = Bench(work, hot, args.repeat)
+    started = time.monotonic()
+    try:
+        for part in args.only or ["incremental", "zeros", "destager"]:
+            getattr(bench, part)()
+    finally:
+        for job in bench.engine.records.jobs():
+            with contextlib.suppress(Exception):
+                bench.engine.remove(job.name, force=True)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(hot, ignore_errors=True)
+    lines = [
+        "## Store (issue 3)",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_store.py --repeat "
+        f"{args.repeat}` in {time.monotonic() - started:.0f} s on {os.cpu_count()} cores; cold tier: a folder on "
+        f"{work.parent} (disk), hot tier: /dev/shm; timings are medians, torpor and raw CRIU alternating.",
+        "",
+        "| measurement | torpor | raw CRIU | ratio | bar |",
+        "|---|---|---|---|---|",
+        *[f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in bench.rows],
+        "",
+        "Lazy restore (`torpor resume --lazy`): not supported yet, so not measured.",
+    ]
+    write_section(lines)
+    say(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
