@@ -44,6 +44,7 @@ class TieredStore:
         self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes)
         self.cold_staging = settings.home / "staging"
         self._repo: Repository | None = None
+        self._kicked = 0.0
 
     @property
     def repo(self) -> Repository:
@@ -222,8 +223,12 @@ class TieredStore:
         record = self.hot.record(checkpoint_id)
         if record is not None:
             image = self._from_record(record)
-            if record.state == DESTAGING and not self.destager_running():
+            if record.state != DURABLE and not record.error and not self.destager_running():
+                # a destager died (killed, machine busy, crash): looking is enough to start another
                 image = StoredImage(**{**image.__dict__, "state": STAGED, "progress": None})
+                if time.monotonic() - self._kicked > 5:
+                    self._kicked = time.monotonic()
+                    self.kick()
             return image
         manifest = self.repo.manifest(checkpoint_id)
         return StoredImage(
