@@ -159,6 +159,18 @@ class Cluster:
                 process.kill()
                 process.wait(timeout=5)
         self.processes.clear()
+        # a job step whose slurmd went away can linger: end the ones of this cluster
+        needle = f"SLURM_CONF={self.conf}\0".encode()
+        for entry in Path("/proc").iterdir():
+            try:
+                if (
+                    entry.name.isdigit()
+                    and (entry / "comm").read_text().startswith("slurmstepd")
+                    and needle in (entry / "environ").read_bytes()
+                ):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
 
     def _spawn(self, argv: list[str], name: str) -> None:
         out = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - owned by the child
@@ -214,7 +226,10 @@ class Cluster:
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job`` as a dict (empty once Slurm has forgotten the job)."""
-        result = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
+        try:
+            result = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
+        except subprocess.TimeoutExpired:  # slurmctld busy (a loaded machine): ask again later
+            return {"JobState": "UNKNOWN"}
         if result.returncode != 0:
             return {}
         fields: dict[str, str] = {}

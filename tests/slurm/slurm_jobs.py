@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurm_cluster import Cluster
+
+from torpor.settings import Settings
 
 TORPOR = str(Path(sys.executable).parent / "torpor")
 TRAIN = Path(__file__).parent / "train.py"
@@ -149,6 +152,8 @@ class SlurmJobs:
                 time.sleep(0.2)
         for pid in processes_of(self.home):
             os.kill(pid, signal.SIGKILL)
+        # torpor's RAM hot tier for this home (in /dev/shm), if any command made one
+        shutil.rmtree(Settings(home=self.home).hot_path, ignore_errors=True)
 
 
 def processes_of(home: Path) -> list[int]:

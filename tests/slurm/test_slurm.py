@@ -22,6 +22,8 @@ import pytest
 from slurm_cluster import Cluster, running_cluster, slurm_available
 from slurm_jobs import SlurmJobs, processes_of, reference_output
 
+from torpor.settings import Settings
+
 SLURM_MISSING = slurm_available()
 
 pytestmark = [
@@ -119,6 +121,10 @@ def test_hibernate_instead_of_suspend_frees_memory_until_resumed(jobs: SlurmJobs
     assert not Path(f"/proc/{pid}").exists()
     (record,) = json.loads(jobs.torpor("ps", "--json").stdout)
     assert record["state"] == "hibernated"
+    # …and its image is not kept in this node's RAM (torpor's hot tier in /dev/shm) either
+    hot = Settings(home=jobs.home).hot_path
+    in_ram = sum(f.stat().st_size for f in hot.rglob("*") if f.is_file()) if hot.exists() else 0
+    assert in_ram < 2**20
     node = jobs.cluster.run(["scontrol", "show", "node", "-o"]).stdout
     assert "CPUAlloc=0 " in node
     time.sleep(2)  # it stays held: Slurm does not start it on its own

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -447,6 +448,10 @@ def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
     if args.interval is not None and args.interval <= 0:
         raise UsageError(f"--interval must be a positive number of seconds, not {args.interval}")
     job = SlurmJob.from_environment(os.environ)
+    if not os.environ.get("TORPOR_HOT_CAPACITY"):
+        # the node goes to another job right after a hibernation: write images straight to the (shared)
+        # cold tier instead of keeping them in this node's RAM, where a restart elsewhere cannot find them
+        engine = Engine(dataclasses.replace(engine.settings, hot_capacity_bytes=0))
     _keep_stdout_blocking()
     supervisor = Supervisor(engine, job, command, os.getcwd(), args.interval, sys.stdout.buffer, sys.stderr)
     return supervisor.run()
