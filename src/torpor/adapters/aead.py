@@ -29,7 +29,7 @@ class Aead:
         nonce = os.urandom(NONCE_SIZE)
         return nonce + self._aead.encrypt(nonce, plaintext, associated)
 
-    def open(self, sealed: bytes, associated: bytes, what: str) -> bytes:
+    def open(self, sealed: bytes | memoryview, associated: bytes, what: str) -> bytes:
         if len(sealed) < NONCE_SIZE + TAG_SIZE:
             raise CorruptImage(f"{what} is truncated")
         try:

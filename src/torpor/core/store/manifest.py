@@ -73,9 +73,9 @@ class Manifest:
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, what: str) -> Manifest:
+    def from_bytes(cls, raw: bytes | memoryview, what: str) -> Manifest:
         try:
-            data = json.loads(raw)
+            data = json.loads(bytes(raw))
         except ValueError as exc:
             raise CorruptImage(f"{what} is not valid JSON") from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -122,7 +122,7 @@ class Codec:
             return header, self._aead.seal(bytes(payload), header)
         return HEADER.pack(MAGIC, flags, kind, 0, len(data), digest), payload
 
-    def decode(self, kind: int, blob: bytes, what: str, expect: bytes | None = None) -> bytes:
+    def decode(self, kind: int, blob: bytes, what: str, expect: bytes | None = None) -> bytes | memoryview:
         """The verified plaintext of a stored object; ``expect``: the digest its name promises."""
         if len(blob) < HEADER.size:
             raise CorruptImage(f"{what} is truncated ({len(blob)} bytes)")
@@ -131,7 +131,7 @@ class Codec:
             raise CorruptImage(f"{what} is not a torpor object of the expected kind")
         if expect is not None and digest != expect:
             raise CorruptImage(f"{what} does not carry the hash its name promises")
-        payload = blob[HEADER.size :]
+        payload: bytes | memoryview = memoryview(blob)[HEADER.size :]  # no copy of a large chunk
         if flags & FLAG_SEALED:
             if self._aead is None:
                 raise KeyProblem(f"{what} is encrypted and no key is configured; set TORPOR_KEY_FILE")

@@ -13,6 +13,7 @@ it into the cold tier at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -225,7 +226,7 @@ class TieredStore:
             image = self._from_record(record)
             if record.state != DURABLE and not record.error and not self.destager_running():
                 # a destager died (killed, machine busy, crash): looking is enough to start another
-                image = StoredImage(**{**image.__dict__, "state": STAGED, "progress": None})
+                image = dataclasses.replace(image, state=STAGED, progress=None)
                 if time.monotonic() - self._kicked > 5:
                     self._kicked = time.monotonic()
                     self.kick()
@@ -281,10 +282,7 @@ class TieredStore:
                 with contextlib.suppress(StoreError):
                     images[checkpoint_id] = self.state(checkpoint_id)
         return sorted(
-            (
-                StoredImage(**{**image.__dict__, "pinned": image.checkpoint_id in pinned})
-                for image in images.values()
-            ),
+            (dataclasses.replace(image, pinned=image.checkpoint_id in pinned) for image in images.values()),
             key=lambda image: image.created_at,
         )
 
