@@ -1,0 +1,103 @@
+"""Small pieces of the store: the pagemap reader and chunk cuts, key files, the lock, settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torpor.core.store.backend import FolderBackend, open_backend
+from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
+from torpor.core.store.objects import read_key_file
+from torpor.core.store.pagemap import PAGE_SIZE, cuts, read_pagemaps
+from torpor.errors import KeyProblem, StoreBusy, UsageError
+from torpor.settings import Settings, parse_bytes
+
+from .conftest import write_image
+
+BASE = 0x7F0000000000
+
+
+def test_pagemap_cuts_follow_addresses(tmp_path: Path) -> None:
+    regions = {BASE + 3 * PAGE_SIZE: bytes(5 * PAGE_SIZE), BASE + (1 << 20): bytes(2 * (1 << 20))}
+    write_image(tmp_path, regions)
+    pagemap = read_pagemaps(tmp_path)["pages-1.img"]
+    assert pagemap.size == 5 * PAGE_SIZE + 2 * (1 << 20)
+    pieces = cuts(pagemap, 1 << 20)
+    # first window: the 5 pages; then the 2 MiB region in two aligned windows
+    assert pieces == [(0, 5 * PAGE_SIZE), (5 * PAGE_SIZE, 1 << 20), (5 * PAGE_SIZE + (1 << 20), 1 << 20)]
+
+
+def test_a_pagemap_that_does_not_add_up_is_ignored(tmp_path: Path) -> None:
+    write_image(tmp_path, {BASE: bytes(2 * PAGE_SIZE)})
+    with open(tmp_path / "pages-1.img", "ab") as pages:
+        pages.write(b"x")
+    assert read_pagemaps(tmp_path) == {}
+
+
+def test_key_files(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.write_bytes(os.urandom(32))
+    assert len(read_key_file(raw)) == 32
+    hexed = tmp_path / "hex"
+    hexed.write_text(os.urandom(32).hex() + "\n")
+    assert len(read_key_file(hexed)) == 32
+    short = tmp_path / "short"
+    short.write_bytes(b"secret")
+    with pytest.raises(KeyProblem, match="32 bytes"):
+        read_key_file(short)
+    with pytest.raises(KeyProblem, match="does not exist"):
+        read_key_file(tmp_path / "missing")
+
+
+def test_gc_waits_for_writers_and_gives_up_with_a_clear_error(tmp_path: Path) -> None:
+    lock = RepositoryLock(FolderBackend(tmp_path))
+    with (
+        lock.hold(SHARED, timeout=1),
+        lock.hold(SHARED, timeout=1),  # writers share
+        pytest.raises(StoreBusy, match="being written"),
+        lock.hold(EXCLUSIVE, timeout=0.5),
+    ):
+        pass
+    with lock.hold(EXCLUSIVE, timeout=1):
+        pass
+
+
+def test_a_lock_left_by_a_dead_process_is_stale(tmp_path: Path) -> None:
+    backend = FolderBackend(tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    record = {"host": RepositoryLock(backend).host, "pid": int(dead.stdout), "time": 0}
+    backend.store("locks/s-dead", json.dumps(record).encode())
+    with RepositoryLock(backend).hold(EXCLUSIVE, timeout=1):
+        assert not backend.exists("locks/s-dead")
+
+
+def test_store_urls() -> None:
+    assert isinstance(open_backend("/srv/torpor"), FolderBackend)
+    assert isinstance(open_backend("file:///srv/torpor"), FolderBackend)
+    with pytest.raises(UsageError, match="unsupported store URL"):
+        open_backend("ftp://host/x")
+
+
+def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TORPOR_HOT_DIR", str(tmp_path / "hot"))
+    monkeypatch.setenv("TORPOR_HOT_CAPACITY", "1.5G")
+    monkeypatch.setenv("TORPOR_STORE", "s3://bucket/prefix")
+    monkeypatch.setenv("TORPOR_KEEP_LAST", "3")
+    settings = Settings.from_environment(home=str(tmp_path))
+    assert settings.hot_path == tmp_path / "hot"
+    assert settings.hot_capacity_bytes == int(1.5 * (1 << 30))
+    assert settings.store_url == "s3://bucket/prefix" and settings.keep_last == 3
+    assert Settings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
+    monkeypatch.setenv("TORPOR_KEEP_LAST", "many")
+    with pytest.raises(UsageError, match="whole number"):
+        Settings.from_environment(home=str(tmp_path))
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(UsageError):
+        parse_bytes("lots")
