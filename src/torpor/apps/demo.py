@@ -204,8 +204,11 @@ class Demo:
         )
         if alive:
             raise TorporError(f"hibernation left processes running: {alive}")
+        self.note(f"the image waits in torpor's RAM hot tier ({self.engine.settings.hot_path}) while a")
+        self.note("background process stores it on disk; then the RAM copy stays as a cache until needed")
         time.sleep(2)
         self.note(f"2 s later the log still ends at step {self.last_step()}: nothing runs, nothing is lost")
+        self.note(f"image {hibernation.id}: {self.engine.ctx.store.state(hibernation.id).state_text}")
 
         self.chapter(5, "Resume it from its image", f"torpor resume {self.name}")
         job, _, restore_s = self.engine.restore(self.name)
@@ -274,6 +277,10 @@ class Demo:
         return 1
 
     def clean_up(self) -> None:
+        # let the background destager finish storing the images before they are deleted under it
+        with contextlib.suppress(TorporError):
+            for checkpoint in self.engine.checkpoints(self.name):
+                self.engine.wait_durable(checkpoint.id)
         with contextlib.suppress(TorporError):
             self.engine.remove(self.name, force=True)
 
@@ -288,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
 
     own_home = not os.environ.get("TORPOR_HOME")
     home = Path(tempfile.mkdtemp(prefix="torpor-demo-")) if own_home else None
+    settings = Settings.from_environment(home=str(home) if home else None)
     demo: Demo | None = None
     try:
-        engine = Engine(Settings.from_environment(home=str(home) if home else None))
+        engine = Engine(settings)
         demo = Demo(engine, args.steps, args.pace, args.data_mib)
         return demo.run()
     except TorporError as exc:
@@ -304,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                 demo.clean_up()
             if home is not None:
                 shutil.rmtree(home, ignore_errors=True)
+                shutil.rmtree(
+                    settings.hot_path, ignore_errors=True
+                )  # the hot tier lives in RAM, outside home
         elif home is not None:
             print(f"kept the state directory {home} (TORPOR_HOME={home} torpor ps)")
 
