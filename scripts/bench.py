@@ -242,7 +242,6 @@ class TorporJob:
 
     def checkpoint(self, hibernate: bool) -> tuple[float, float, int, float]:
         """(frozen s, wall s, image bytes, s until durable) of one checkpoint or hibernation."""
-        launcher = self.engine.records.job(self.name).launcher_pid
         began = time.monotonic()
         checkpoint = self.engine.checkpoint(self.name, hibernate=hibernate)
         wall = time.monotonic() - began
@@ -254,10 +253,6 @@ class TorporJob:
         wait_for(lambda: not store.destager_running(), "the destager to go idle", 120)
         if hibernate:
             self.hibernated = checkpoint.id
-            # Work around a race in the launcher (reported): a launcher that is still winding down after a
-            # hibernation marks the job failed if a resume has already moved it to "restoring".
-            if launcher is not None:
-                wait_for(lambda: not system.is_alive(launcher), "the hibernated job's launcher to exit", 30)
         else:
             self._forget(checkpoint.id)
         return checkpoint.freeze_s, wall, checkpoint.size_bytes, durable
