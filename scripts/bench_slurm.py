@@ -193,7 +193,7 @@ def run_once(cluster: Cluster, mode: str, args: argparse.Namespace, folder: Path
     )
 
 
-def section(results: list[Result], args: argparse.Namespace, root: Path) -> str:
+def section(results: list[Result], args: argparse.Namespace, root: Path, load: tuple[float, float]) -> str:
     def median(mode: str, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in results if r.mode == mode)
 
@@ -232,6 +232,8 @@ def section(results: list[Result], args: argparse.Namespace, root: Path) -> str:
             "is free and starting the high job.",
             "- The requeued job waits a few seconds in the queue either way (`cred_expire=5` here); that wait "
             "is in *submit → done*, not in *restart → computing*.",
+            f"- Load average (1 min) {load[0]:.1f} at the start and {load[1]:.1f} at the end on "
+            f"{os.cpu_count()} CPUs: other work shared the machine, so single rows are noisy; compare medians.",
         ]
     )
 
@@ -275,6 +277,7 @@ def main() -> int:
         print(f"bench_slurm: cannot run: {missing}", file=sys.stderr)
         return 3
     results: list[Result] = []
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="torpor-bench-slurm-") as tmp:
         root = Path(tmp)
         with running_cluster(root / "cluster") as cluster:
@@ -288,7 +291,7 @@ def main() -> int:
                         flush=True,
                     )
                     results.append(result)
-        text = section(results, args, Path(tempfile.gettempdir()))
+        text = section(results, args, Path(tempfile.gettempdir()), (load_start, os.getloadavg()[0]))
     print(text)
     if not args.no_doc:
         write_section(DOC, text)
