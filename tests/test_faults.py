@@ -148,7 +148,9 @@ def test_state_directory_not_writable(torpor: Torpor, tmpfs: object) -> None:
 @pytest.mark.criu
 def test_disk_full_while_dumping(torpor: Torpor, tmpfs: object) -> None:
     small = tmpfs("small", "size=24m")  # type: ignore[operator]
-    full = Torpor(small / "home", {**torpor.env, "TORPOR_HOME": str(small / "home")})
+    # both tiers on the small file system: the RAM tier that CRIU dumps into and the durable one
+    env = {**torpor.env, "TORPOR_HOME": str(small / "home"), "TORPOR_HOT_DIR": str(small / "hot")}
+    full = Torpor(small / "home", env)
     full.run("run", "--name", "big", *python_job("memory_hog.py", "64"))
     full.wait_log("big", "step 1")
     try:
@@ -156,7 +158,8 @@ def test_disk_full_while_dumping(torpor: Torpor, tmpfs: object) -> None:
         assert_one_line_error(result, 6, "no space left")
         assert_running_not_frozen(full, "big")
         assert full.json("checkpoints") == []
-        assert [p.name for p in (small / "home" / "images").iterdir()] == []
+        leftovers = [p for p in small.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20]
+        assert [p for p in leftovers if p.suffix != ".log"] == [], "a partial image was left behind"
         result = full.run("hibernate", "big", check=False)
         assert_one_line_error(result, 6, "no space left")
         assert_running_not_frozen(full, "big")
