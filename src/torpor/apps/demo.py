@@ -34,7 +34,7 @@ from pathlib import Path
 from torpor.adapters import system
 from torpor.core.engine import Engine
 from torpor.core.records import JobState
-from torpor.errors import TorporError
+from torpor.errors import EnvironmentProblem, TorporError
 from torpor.settings import Settings
 
 TRAIN_SCRIPT = Path(__file__).with_name("demo_train.py")
@@ -139,7 +139,9 @@ class Demo:
 
     def run(self) -> int:
         steps = self.steps
+        info = self.engine.ctx.criu.require()  # fail before the reference run, not halfway through
         self.say("torpor demo: make a running PyTorch training job preemptible, without changing it")
+        self.say(f"CRIU {info.version} at {info.path}")
         self.say(f"state directory: {self.engine.settings.home}")
 
         self.chapter(1, "The reference: the training script run directly, without torpor")
@@ -293,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the job and its state directory")
     args = parser.parse_args(argv)
 
+    if os.geteuid() != 0:
+        print(
+            "torpor demo: needs root (CRIU checkpoints and restores processes): run it with sudo",
+            file=sys.stderr,
+        )
+        return EnvironmentProblem.exit_code
     own_home = not os.environ.get("TORPOR_HOME")
     home = Path(tempfile.mkdtemp(prefix="torpor-demo-")) if own_home else None
     settings = Settings.from_environment(home=str(home) if home else None)
