@@ -135,3 +135,18 @@ def test_an_encrypted_s3_cold_tier(torpor: Torpor, hot: Path, s3_endpoint: str, 
     assert torpor.job("s")["state"] == "hibernated"
     torpor.run("resume", "s")
     torpor.wait_for(lambda: last_step(torpor.log("s")) > at_hibernate + 3, what="progress after resume")
+
+
+def test_lazy_resume(torpor: Torpor, hot: Path) -> None:
+    torpor.run("run", "--name", "l", *python_job("counter.py"))
+    torpor.wait_log("l", "step 3")
+    torpor.run("hibernate", "l", "--wait")
+    at_hibernate = last_step(torpor.log("l"))
+    drop_hot_copies(hot)  # from the cold tier, verified, then its memory served on demand
+    torpor.run("resume", "l", "--lazy")
+    torpor.wait_for(
+        lambda: last_step(torpor.log("l")) > at_hibernate + 3, what="progress after a lazy resume"
+    )
+    assert any((torpor.home / "jobs" / "l" / "criu").glob("lazy-pages-*.log"))
+    # the restore folder goes once the lazy-pages daemon has every page in
+    torpor.wait_for(lambda: not any(p.name.startswith("restore-") for p in hot.iterdir()), what="cleanup")

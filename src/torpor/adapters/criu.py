@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +196,44 @@ class Criu:
             )
         return read_dump_stats(images_dir)
 
+    def start_lazy_pages(
+        self, images_dir: Path, log_path: Path, timeout: float = 10
+    ) -> subprocess.Popen[bytes]:
+        """Start ``criu lazy-pages`` on ``images_dir`` and return once it listens.
+
+        It serves the memory of a tree restored with ``restore(lazy=True)`` on demand (userfaultfd), copies
+        the rest in the background, and exits once every page is in (or the tree is gone): the caller
+        waits for it before deleting ``images_dir``.
+        """
+        self.require()
+        listening = images_dir / "lazy-pages.socket"
+        process = subprocess.Popen(
+            [
+                str(self.path),
+                "lazy-pages",
+                "--images-dir",
+                str(images_dir),
+                "--log-file",
+                str(log_path),
+                "-v4",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while not listening.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+                raise RestoreFailed(
+                    "criu lazy-pages did not start (userfaultfd missing? see 'torpor doctor')",
+                    details=log_excerpt(log_path),
+                )
+            time.sleep(0.002)
+        return process
+
     def restore(
         self,
         images_dir: Path,
@@ -202,10 +241,12 @@ class Criu:
         pidfile: Path,
         *,
         extra: tuple[str, ...] = (),
+        lazy: bool = False,
     ) -> int:
         """Restore a tree detached (``-d``) and return its root's pid.
 
         The restored root is re-parented to the nearest subreaper above criu: the caller's launcher.
+        ``lazy``: memory comes from a running :meth:`start_lazy_pages` on the same folder.
         """
         self.require()
         args = [
@@ -219,6 +260,7 @@ class Criu:
             "--pidfile",
             str(pidfile),
             *COMMON_OPTIONS,
+            *(["--lazy-pages"] if lazy else []),
             *extra,
         ]
         out = self._run(args, timeout=3600)

@@ -194,7 +194,9 @@ def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def _restore(engine: Engine, args: argparse.Namespace, ref: str | None) -> int:
-    job, checkpoint, seconds = engine.restore(args.name, ref, force=args.force, progress=_progress(args))
+    job, checkpoint, seconds = engine.restore(
+        args.name, ref, force=args.force, progress=_progress(args), lazy=args.lazy
+    )
     if args.json:
         _emit_json({"job": job.name, "pid": job.pid, "checkpoint": checkpoint.id, "restore_s": seconds})
     else:
@@ -424,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("resume", "restore a job from its latest checkpoint")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
+    p.add_argument("--lazy", action="store_true", help="start the job before all of its memory is read")
     p.set_defaults(func=cmd_resume)
 
     p = add("restore", "restore a job from a given checkpoint (roll back)")
@@ -431,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--from", dest="from_", required=True, metavar="CHECKPOINT_ID", help="checkpoint id or prefix"
     )
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
+    p.add_argument("--lazy", action="store_true", help="start the job before all of its memory is read")
     p.set_defaults(func=cmd_restore)
 
     p = add("checkpoints", "list checkpoints: time, size and freeze time of each", job=False)

@@ -30,6 +30,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -247,19 +248,43 @@ def _restore_after_failed_hibernation(
     launcher.adopt(pid)
 
 
-def restore_into_launcher(ctx: Context, job: Job, image_dir: Path, checkpoint_id: str) -> int:
-    """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid."""
+def restore_into_launcher(
+    ctx: Context, job: Job, image_dir: Path, checkpoint_id: str, lazy: bool = False
+) -> int:
+    """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
+
+    ``lazy``: the job starts before its memory is in; ``criu lazy-pages`` serves it from ``image_dir``,
+    which is deleted once that daemon is done.
+    """
+    daemon = None
     try:
+        if lazy:
+            daemon = ctx.criu.start_lazy_pages(image_dir, ctx.criu_log(job.name, "lazy-pages", checkpoint_id))
         pid = ctx.criu.restore(
             image_dir,
             ctx.criu_log(job.name, "restore", checkpoint_id),
             image_dir / "restored.pid",
             extra=ctx.settings.criu_extra,
+            lazy=lazy,
         )
         ctx.gpu.after_restore(system.namespace_members(pid))
-        return pid
-    finally:
+    except BaseException:
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
         shutil.rmtree(image_dir, ignore_errors=True)
+        raise
+    if daemon is None:
+        shutil.rmtree(image_dir, ignore_errors=True)
+    else:
+        lazy_daemon = daemon
+
+        def clean_up() -> None:
+            lazy_daemon.wait()
+            shutil.rmtree(image_dir, ignore_errors=True)
+
+        threading.Thread(target=clean_up, name="lazy-pages", daemon=True).start()
+    return pid
 
 
 def rewind_written_files(image_dir: Path, keep_dir: Path) -> list[str]:
@@ -492,7 +517,12 @@ class Engine:
     # -- restore ---------------------------------------------------------------------------------------
 
     def restore(
-        self, name: str, ref: str | None = None, force: bool = False, progress: Progress = _quiet
+        self,
+        name: str,
+        ref: str | None = None,
+        force: bool = False,
+        progress: Progress = _quiet,
+        lazy: bool = False,
     ) -> tuple[Job, Checkpoint, float]:
         """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds)."""
         job = self.reconcile(self.records.job(name))
@@ -543,6 +573,7 @@ class Engine:
                     "job": name,
                     "image_dir": str(image_dir),
                     "checkpoint_id": checkpoint.id,
+                    "lazy": lazy,
                 }
             )
         except TorporError as exc:

@@ -44,6 +44,7 @@ class LaunchSpec:
     image_dir: str | None = None  # restore: a verified image folder the launcher consumes
     checkpoint_id: str | None = None  # restore: which checkpoint the image is
     settings_dict: dict[str, Any] | None = None  # the CLI's whole Settings (store options included)
+    lazy: bool = False  # restore: start the job before its memory is in (CRIU lazy pages)
 
     def settings(self) -> Settings:
         if self.settings_dict:
@@ -116,7 +117,7 @@ class Launcher:
     def restore_job(self) -> int:
         assert self.spec.image_dir and self.spec.checkpoint_id
         return engine.restore_into_launcher(
-            self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id
+            self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id, lazy=self.spec.lazy
         )
 
     # -- serving ------------------------------------------------------------------------------------
