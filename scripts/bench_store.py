@@ -409,7 +409,7 @@ def launcher_gone(bench: Bench, name: str) -> None:
 
 
 def write_section(lines: list[str]) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEach section is written by its own script.\n"
+    text = DOC.read_text() if DOC.exists() else "# torpor benchmarks\n"
     section = "\n".join([BEGIN, *lines, END])
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
