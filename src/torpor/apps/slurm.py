@@ -317,6 +317,8 @@ class Supervisor:
 
     def _save_output_state(self, log: IO[bytes]) -> None:
         self.output.offset = log.tell()
+        existing = {c.id for c in self._checkpoints()}  # forget the marks of checkpoints retention deleted
+        self.output.marks = {id_: size for id_, size in self.output.marks.items() if id_ in existing}
         with contextlib.suppress(OSError):
             self.output.save(self.state_file)
 
