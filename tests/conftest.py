@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +87,15 @@ class Torpor:
 @pytest.fixture
 def torpor(tmp_path: Path) -> Iterator[Torpor]:
     home = tmp_path / "home"
-    env = {**os.environ, "TORPOR_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    # the RAM hot tier lives outside the state directory: give each test its own and remove it after
+    hot = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "TORPOR_HOME": str(home), "TORPOR_HOT_DIR": str(hot), "PYTHONUNBUFFERED": "1"}
     instance = Torpor(home, env)
     yield instance
     if home.exists():
         for job in json.loads(instance.run("ps", "--json", check=False).stdout or "[]"):
             instance.run("rm", "--force", job["name"], check=False)
+    shutil.rmtree(hot, ignore_errors=True)
 
 
 def python_job(script: str, *args: str) -> list[str]:
