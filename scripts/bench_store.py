@@ -321,6 +321,9 @@ class Bench:
         )
         self.engine.remove(name, force=True)
 
+    def lazy_done(self) -> bool:
+        return not any(p.name.startswith("restore-") for p in self.settings.hot_path.iterdir())
+
     def lazy(self) -> None:
         say("== lazy restore of 4 GiB ==")
         name = "lazy"
@@ -334,7 +337,8 @@ class Bench:
 
         raw_t, lazy_t = [], []
         for _rep in range(self.repeat):
-            _, _, _, raw_dir = self.raw_dump(name)
+            _, _, raw_bytes, raw_dir = self.raw_dump(name)
+            say(f"  raw image {raw_bytes / GIB:.2f} GiB")
             self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
             raw_t.append(self.raw_restore(raw_dir, until=first_progress))
@@ -342,6 +346,8 @@ class Bench:
             began = time.monotonic()
             self.engine.restore(name, lazy=True)
             lazy_t.append(first_progress(began))
+            # a dump while lazy-pages still copies memory in would miss pages: let it finish first
+            wait_for(self.lazy_done, "lazy-pages to finish", 300)
         self.add(
             "lazy restore (hot tier): time to first progress, 4 GiB",
             f"{med(lazy_t):.2f} s",

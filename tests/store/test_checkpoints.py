@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +151,17 @@ def test_lazy_resume(torpor: Torpor, hot: Path) -> None:
     assert any((torpor.home / "jobs" / "l" / "criu").glob("lazy-pages-*.log"))
     # the restore folder goes once the lazy-pages daemon has every page in
     torpor.wait_for(lambda: not any(p.name.startswith("restore-") for p in hot.iterdir()), what="cleanup")
+
+
+def test_a_checkpoint_right_after_a_lazy_resume_loses_no_memory(torpor: Torpor, hot: Path) -> None:
+    job = str(Path(__file__).parent / "jobs" / "memory_check.py")
+    torpor.run("run", "--name", "m", "--", sys.executable, "-u", job, "1024")
+    torpor.wait_log("m", "digest")
+    torpor.run("hibernate", "m", "--wait")
+    torpor.run("resume", "m", "--lazy")
+    torpor.run("hibernate", "m")  # while lazy-pages may still be bringing memory in
+    torpor.run("resume", "m")
+    lines = torpor.log("m").count("\n")
+    torpor.wait_for(lambda: torpor.log("m").count("\n") > lines, what="a digest after the resume")
+    digests = set(re.findall(r"^digest (\w+)$", torpor.log("m"), re.M))
+    assert len(digests) == 1

@@ -93,6 +93,8 @@ class Context:
             )
         self.records = Records(settings.db_path)
         self.store: ImageStore = open_store(settings)
+        #: in a launcher after a lazy restore: the ``criu lazy-pages`` still bringing memory in
+        self.lazy_pages: subprocess.Popen[bytes] | None = None
 
     @cached_property
     def criu(self) -> Criu:
@@ -120,6 +122,10 @@ def checkpoint_in_launcher(
     def progress(text: str) -> None:
         send({"progress": text})
 
+    if ctx.lazy_pages is not None and ctx.lazy_pages.poll() is None:
+        # memory not yet copied in is absent from /proc/PID/pagemap: a dump now would silently lose it
+        progress("waiting for the lazy restore to bring in the rest of the job's memory")
+        ctx.lazy_pages.wait()
     records = ctx.records
     info = ctx.criu.require()
     job = records.transition(
@@ -277,7 +283,7 @@ def restore_into_launcher(
     if daemon is None:
         shutil.rmtree(image_dir, ignore_errors=True)
     else:
-        lazy_daemon = daemon
+        lazy_daemon = ctx.lazy_pages = daemon
 
         def clean_up() -> None:
             lazy_daemon.wait()
