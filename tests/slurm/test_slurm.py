@@ -80,8 +80,10 @@ def test_preempted_by_high_partition_resumes_where_it_was(jobs: SlurmJobs) -> No
     assert "restored" in jobs.errors(low)
 
 
-def test_scontrol_requeue_hibernates_and_restores(jobs: SlurmJobs) -> None:
-    job = jobs.submit_torpor(ARGS, script=True)
+@pytest.mark.parametrize("open_mode", ["truncate", "append"])
+def test_scontrol_requeue_hibernates_and_restores(jobs: SlurmJobs, open_mode: str) -> None:
+    # truncate (Slurm's default): the restored run writes the earlier output again; append: it must not
+    job = jobs.submit_torpor(ARGS, script=True, sbatch_args=(f"--open-mode={open_mode}",))
     jobs.wait_output(job, "step 15")
     jobs.cluster.run(["scontrol", "requeue", job])
 
