@@ -229,3 +229,12 @@ def test_restore_failing_falls_back_to_previous_checkpoint(jobs: SlurmJobs) -> N
     log = (jobs.home / "jobs" / f"slurm-{job}" / "output.log").read_text()
     assert len(step_lines(log)) > len(step_lines(reference_output(*ARGS)))
     assert set(step_lines(log)) == set(step_lines(reference_output(*ARGS)))
+
+
+def test_hibernate_or_resume_of_an_unknown_job_says_what_slurm_said(jobs: SlurmJobs) -> None:
+    for command in ("hibernate", "resume"):
+        result = jobs.torpor("slurm", command, "999999", check=False)
+        assert result.returncode == 3, result.stderr
+        first = result.stderr.splitlines()[0]
+        assert first.startswith("torpor: error: '") and "999999" in first
+        assert "Traceback" not in result.stderr

@@ -12,15 +12,13 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from torpor.errors import EnvironmentProblem, TorporError
+from torpor.errors import EnvironmentProblem
 
 _SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 
 
-class SlurmCommandFailed(TorporError):
-    """A Slurm client command failed or is missing; ``details`` holds what it said."""
-
-    exit_code = 8
+class SlurmCommandFailed(EnvironmentProblem):
+    """A Slurm client command failed (slurmctld unreachable, unknown job); ``details`` holds what it said."""
 
 
 def _command(tool: str) -> str:
@@ -45,7 +43,7 @@ def _run(argv: list[str], timeout: float) -> str:
     if result.returncode != 0:
         said = (result.stderr or result.stdout).strip()
         raise SlurmCommandFailed(
-            f"'{' '.join(argv[1:])}' failed (exit {result.returncode}): {said.splitlines()[-1] if said else 'no message'}",
+            f"'{' '.join([os.path.basename(argv[0]), *argv[1:]])}' failed (exit {result.returncode}): {said.splitlines()[-1] if said else 'no message'}",
             details=said.splitlines()[:-1][-5:],
         )
     return result.stdout
