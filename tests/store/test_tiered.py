@@ -65,6 +65,11 @@ def test_a_dump_that_does_not_fit_goes_straight_to_the_cold_tier(settings: Setti
     image = store.put("big", "job", staging, {})
     assert image.state == DURABLE and not staging.exists()
     assert store.hot.record("big") is None
+    # nor is it restored through RAM
+    dest = store.restore_dir("big")
+    assert dest.parent == settings.tmp_dir
+    store.get("big", dest)
+    assert (dest / "pages-1.img").stat().st_size == 3 * MiB
 
 
 def test_durable_copies_leave_ram_oldest_first_when_over_capacity(settings: Settings) -> None:

@@ -465,15 +465,25 @@ class Engine:
     # -- the image store -------------------------------------------------------------------------------
 
     def image_states(self, checkpoints: list[Checkpoint]) -> dict[str, StoredImage | None]:
-        """Where each checkpoint's image is (staged, destaging, durable); ``None``: its image is gone."""
-        pinned = self.ctx.store.pinned()
+        """Where each checkpoint's image is (staged, destaging, durable); ``None``: its image is gone.
+
+        A store that cannot be read (e.g. S3 unreachable) gives state ``unknown`` with the error.
+        """
+        try:
+            pinned = self.ctx.store.pinned()
+        except TorporError:
+            pinned = set()
         states: dict[str, StoredImage | None] = {}
         for checkpoint in checkpoints:
             try:
                 image = self.ctx.store.state(checkpoint.id)
-            except TorporError:
+            except CheckpointNotFound:
                 states[checkpoint.id] = None
                 continue
+            except TorporError as exc:
+                image = StoredImage(
+                    checkpoint.id, checkpoint.job, checkpoint.size_bytes, 0, "unknown", error=exc.message
+                )
             states[checkpoint.id] = replace(image, pinned=checkpoint.id in pinned)
         return states
 

@@ -31,6 +31,8 @@ class StoredImage:
 
     @property
     def state_text(self) -> str:
+        if self.state not in (STAGED, DESTAGING, DURABLE):
+            return self.state
         if self.state == DESTAGING and self.progress is not None:
             return f"destaging {self.progress * 100:.0f}%"
         return self.state + (" (not durable: see error)" if self.error else "")

@@ -137,11 +137,15 @@ class TieredStore:
     # -- reading --------------------------------------------------------------------------------------
 
     def restore_dir(self, checkpoint_id: str) -> Path:
-        record = self.hot.record(checkpoint_id)
-        free = self.hot.capacity - self.hot.used()
-        if record is not None or free > 0:
-            return self.hot.restore_dir(checkpoint_id)
-        return self.settings.tmp_dir / f"restore-{checkpoint_id}-{os.urandom(3).hex()}"
+        """In the hot tier when the image is there (links, no copy) or fits; on disk otherwise."""
+        if self.hot.record(checkpoint_id) is None:
+            try:
+                need = self.repo.manifest(checkpoint_id).size
+            except StoreError:
+                need = 0  # get() will say what is wrong
+            if not self.hot.make_room(need):
+                return self.settings.tmp_dir / f"restore-{checkpoint_id}-{os.urandom(3).hex()}"
+        return self.hot.restore_dir(checkpoint_id)
 
     def get(self, checkpoint_id: str, dest: Path) -> None:
         if self.hot.copy_out(checkpoint_id, dest):
