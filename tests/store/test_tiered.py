@@ -184,3 +184,18 @@ def test_a_corrupt_hot_copy_is_refused(settings: Settings) -> None:
     pages.write_bytes(bytes(blob))
     with pytest.raises(CorruptImage, match="hot tier"):
         store.get("c1", store.restore_dir("c1"))
+
+
+def test_the_destager_removes_what_dead_dumps_left_behind(settings: Settings) -> None:
+    from torpor.core.store import destager
+
+    store = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=4 * MiB))
+    hot_partial = store.staging_dir("deadhot")
+    cold_partial = store.staging_dir("deadcold", size_hint=64 * MiB)
+    live_partial = store.staging_dir("live")  # ours: a dump in progress, kept
+    assert cold_partial.parent == store.cold_staging
+    for partial in (hot_partial, cold_partial):
+        (partial / ".owner").write_text("999999999")  # no such process
+    destager.run(store)
+    assert not hot_partial.exists() and not cold_partial.exists()
+    assert live_partial.exists()

@@ -72,7 +72,7 @@ def run(store: TieredStore) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        for leftover in store.hot.leftovers():
+        for leftover in [*store.hot.leftovers(), *store.cold_leftovers()]:
             _log(f"removing leftover {leftover.name}")
             shutil.rmtree(leftover, ignore_errors=True)
         failed: set[str] = set()

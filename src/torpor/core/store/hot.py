@@ -72,7 +72,8 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
 
 
-def _owner_alive(partial: Path) -> bool:
+def owner_alive(partial: Path) -> bool:
+    """Whether the process that made a ``.partial`` folder (its ``.owner`` file) still runs."""
     try:
         pid = int((partial / OWNER).read_text())
     except (OSError, ValueError):
@@ -280,7 +281,7 @@ class HotTier:
     def _is_leftover(self, entry: Path, now: float) -> bool:
         name = entry.name
         if name.endswith(".partial"):
-            return entry.is_dir() and not _owner_alive(entry)
+            return entry.is_dir() and not owner_alive(entry)
         if name.endswith(".deleting"):
             return True
         if name.startswith("restore-"):

@@ -27,7 +27,7 @@ from typing import Any
 
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, StoredImage
-from torpor.core.store.hot import HotRecord, HotTier
+from torpor.core.store.hot import OWNER, HotRecord, HotTier, owner_alive
 from torpor.core.store.objects import read_key_file
 from torpor.core.store.repository import Repository
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
@@ -70,6 +70,7 @@ class TieredStore:
             self.cold_staging.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
+            (partial / OWNER).write_text(str(os.getpid()))
         except OSError as exc:
             raise StoreError(
                 f"cannot create a staging folder in {self.cold_staging}: {exc.strerror}"
@@ -78,6 +79,12 @@ class TieredStore:
 
     def discard(self, image_dir: Path) -> None:
         shutil.rmtree(image_dir, ignore_errors=True)
+
+    def cold_leftovers(self) -> list[Path]:
+        """Dumps on disk whose process died before ``put`` stored them (a crashed launcher)."""
+        if not self.cold_staging.is_dir():
+            return []
+        return [p for p in self.cold_staging.iterdir() if p.name.endswith(".partial") and not owner_alive(p)]
 
     def put(
         self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
