@@ -353,14 +353,16 @@ class Repository:
     def gc(self, timeout: float = 120.0) -> GcReport:
         """Delete every chunk no manifest names; waits for writers, and writers wait for it."""
         self.open()
-        with self.lock.hold(EXCLUSIVE, timeout=timeout):
+        with self.lock.hold(EXCLUSIVE, timeout=timeout) as held:
             referenced: set[str] = set()
             ids = self.ids()
             for checkpoint_id in ids:
                 # a manifest that cannot be read aborts gc: its chunks must not be taken for garbage
                 referenced.update(self.manifest(checkpoint_id).chunk_ids())
+                held.refresh()
             kept = deleted = 0
             for name in list(self.backend.list("chunks")):
+                held.refresh()  # a long gc must not look stale to writers
                 if name.rsplit("/", 1)[-1] in referenced:
                     kept += 1
                 else:
