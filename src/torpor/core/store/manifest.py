@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 from torpor.errors import CorruptImage, StoreError
 
@@ -21,8 +21,10 @@ VERSION = 1
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
-#: (offset in the file, length, chunk id as hex — or None: all zeros, nothing stored)
-Extent = tuple[int, int, str | None]
+#: a chunk's name: the hex digest of its plaintext (see objects.py)
+ChunkId = NewType("ChunkId", str)
+#: (offset in the file, length, chunk id — or None: all zeros, nothing stored)
+Extent = tuple[int, int, ChunkId | None]
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Manifest:
     def size(self) -> int:
         return sum(entry.size for entry in self.files)
 
-    def chunk_ids(self) -> Iterator[str]:
+    def chunk_ids(self) -> Iterator[ChunkId]:
         for entry in self.files:
             for _, _, chunk in entry.extents:
                 if chunk is not None:
@@ -126,7 +128,7 @@ def _file_entry(item: Any) -> FileEntry:
             raise ValueError(f"{name}: extents are not contiguous")
         if chunk is not None and (not isinstance(chunk, str) or not _HEX.match(chunk)):
             raise ValueError(f"{name}: bad chunk id {chunk!r}")
-        extents.append((offset, length, chunk))
+        extents.append((offset, length, ChunkId(chunk) if chunk is not None else None))
         position += length
     if position != size or size < 0:
         raise ValueError(f"{name}: extents cover {position} of {size} bytes")

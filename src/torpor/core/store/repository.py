@@ -30,7 +30,7 @@ from typing import Any
 from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
 from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
-from torpor.core.store.manifest import Extent, FileEntry, Manifest, safe_file_name
+from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
 from torpor.core.store.objects import KIND_CHUNK, KIND_MANIFEST, Codec
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNotFound, StoreError
 
@@ -162,11 +162,11 @@ class Repository:
                 data = view[offset : offset + length]
                 if len(data) != length:
                     raise StoreError(f"{image_dir} changed while it was being stored")
-                chunk: str | None = None
+                chunk: ChunkId | None = None
                 new = 0
                 if data != zero[:length]:
                     digest = self.codec.digest(data)
-                    chunk = digest.hex()
+                    chunk = ChunkId(digest.hex())
                     with guard:
                         fresh = chunk not in known and digest not in claimed
                         claimed.add(digest)
