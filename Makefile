@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh scripts/install-criu.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install-criu.sh scripts/install-slurm.sh
 	bash scripts/setup.sh
 
 demo: setup
