@@ -95,7 +95,7 @@ def _destager_pid(store: TieredStore) -> int | None:
 
 def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, tmp_path: Path) -> None:
     store = TieredStore(dataclasses.replace(settings, store_workers=1))
-    data = os.urandom(192 * MiB)
+    data = os.urandom(320 * MiB)
     store.put("c1", "job", _stage(store, "c1", data), {})
 
     def mid_way() -> bool:
