@@ -66,8 +66,10 @@ def destage(store: TieredStore, record: HotRecord) -> None:
 
 
 def run(store: TieredStore) -> int:
-    store.hot.ensure()
-    fd = os.open(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:
+        return 0  # the hot tier was removed (and with it anything to destage)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
