@@ -172,3 +172,24 @@ def test_a_checkpoint_right_after_a_lazy_resume_loses_no_memory(torpor: Torpor, 
     torpor.wait_for(lambda: torpor.log("m").count("\n") > lines, what="a digest after the resume")
     digests = set(re.findall(r"^digest (\w+)$", torpor.log("m"), re.M))
     assert len(digests) == 1
+
+
+def test_retention_keeps_the_last_n_and_pinned_ones_and_gc_frees_the_rest(torpor: Torpor, hot: Path) -> None:
+    torpor.env["TORPOR_KEEP_LAST"] = "2"
+    torpor.run("run", "--name", "k", *python_job("counter.py"))
+    torpor.wait_log("k", "step 2")
+    first = json.loads(torpor.run("checkpoint", "k", "--wait", "--json").stdout)["id"]
+    assert f"pinned {first}" in torpor.run("pin", "k", first[:6]).stdout
+    ids = [json.loads(torpor.run("checkpoint", "k", "--wait", "--json").stdout)["id"] for _ in range(3)]
+    listed = {c["id"]: c for c in torpor.json("checkpoints", "k")}
+    assert set(listed) == {first, ids[1], ids[2]} and listed[first]["pinned"]
+    chunks = torpor.home / "images" / "chunks"
+    before = sum(1 for _ in chunks.rglob("*") if _.is_file())
+    out = torpor.run("gc").stdout
+    assert re.search(r"retention removed 0 checkpoint\(s\); [1-9]\d* unreferenced chunk\(s\) deleted", out)
+    assert sum(1 for _ in chunks.rglob("*") if _.is_file()) < before
+    torpor.run("stop", "k", "--timeout", "0.1")
+    drop_hot_copies(hot)
+    lines = torpor.log("k").count("\n")
+    torpor.run("restore", "k", "--from", first)
+    torpor.wait_for(lambda: torpor.log("k").count("\n") > lines + 2, what="the pinned checkpoint to run")
