@@ -92,6 +92,10 @@ def run(store: TieredStore) -> int:
                 _log(f"{record.id} not durable: {exc.message}")
                 store.hot.update(record.id, state=STAGED, error=exc.message)
                 failed.add(record.id)
+            except OSError as exc:
+                _log(f"{record.id} not durable: {exc}")
+                store.hot.update(record.id, state=STAGED, error=f"destaging failed: {exc}")
+                failed.add(record.id)
         store.hot.make_room(0)
     finally:
         os.close(fd)

@@ -145,7 +145,26 @@ class Repository:
         progress: ProgressFn = _no_progress,
         skip: Callable[[str], bool] = lambda _: False,
     ) -> Manifest:
-        """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last."""
+        """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last.
+
+        A file of the image that vanished raises FileNotFoundError (the image was deleted meanwhile).
+        """
+        try:
+            return self._write(checkpoint_id, job, image_dir, meta, progress, skip)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StoreError(f"cannot read the image in {image_dir}: {exc.strerror or exc}") from exc
+
+    def _write(
+        self,
+        checkpoint_id: str,
+        job: str,
+        image_dir: Path,
+        meta: Mapping[str, Any],
+        progress: ProgressFn,
+        skip: Callable[[str], bool],
+    ) -> Manifest:
         self.open()
         started = time.monotonic()
         plans = plan_image(image_dir, self.chunk_size, skip)
