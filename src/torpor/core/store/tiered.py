@@ -155,8 +155,13 @@ class TieredStore:
         return self.hot.restore_dir(checkpoint_id)
 
     def get(self, checkpoint_id: str, dest: Path) -> None:
-        if self.hot.copy_out(checkpoint_id, dest):
-            return
+        try:
+            if self.hot.copy_out(checkpoint_id, dest):
+                return
+        except OSError as exc:
+            raise StoreError(
+                f"cannot copy checkpoint {checkpoint_id} from the hot tier into {dest}: {exc.strerror or exc}"
+            ) from exc
         try:
             self.repo.read(checkpoint_id, dest)
         except CheckpointNotFound as exc:
