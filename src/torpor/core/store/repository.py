@@ -172,7 +172,7 @@ class Repository:
         zero = bytes(self.chunk_size)
         claimed: set[bytes] = set()
         guard = threading.Lock()
-        counters = {"done": 0, "zero": 0, "new_chunks": 0, "new_bytes": 0, "written": 0}
+        counters = {"done": 0, "zero": 0, "new_chunks": 0, "new_bytes": 0}
 
         with self.lock.hold(SHARED, timeout=600) as held:
             known = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
@@ -226,8 +226,9 @@ class Repository:
                             future.cancel()
                         wait(futures)
                         if isinstance(mapping, mmap.mmap):
-                            view.release()
-                            with contextlib.suppress(BufferError):  # a failed task may still hold a slice
+                            # a failed task's traceback may still hold a slice: then the GC unmaps it
+                            with contextlib.suppress(BufferError):
+                                view.release()
                                 mapping.close()
                     files.append(FileEntry(plan.name, plan.size, tuple(_merge_zeros(extents))))
             self.backend.sync()
