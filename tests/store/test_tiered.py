@@ -199,3 +199,14 @@ def test_the_destager_removes_what_dead_dumps_left_behind(settings: Settings) ->
     destager.run(store)
     assert not hot_partial.exists() and not cold_partial.exists()
     assert live_partial.exists()
+
+
+def test_a_dump_goes_to_disk_when_the_hot_file_system_is_short_of_room(
+    settings: Settings, small_tmpfs: Path
+) -> None:
+    # capacity says yes, but the tmpfs (6 MiB, shared with others in real life) has no room for 16 MiB
+    store = TieredStore(
+        dataclasses.replace(settings, hot_dir=small_tmpfs / "hot", hot_capacity_bytes=1 << 30)
+    )
+    assert store.staging_dir("big", size_hint=16 * MiB).parent == store.cold_staging
+    assert store.staging_dir("small", size_hint=MiB).parent == small_tmpfs / "hot"

@@ -218,17 +218,30 @@ class HotTier:
                     total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
         return total
 
+    def free_bytes(self) -> int:
+        """Room left on the hot tier's file system (others may use it too, e.g. all of /dev/shm)."""
+        try:
+            stat = os.statvfs(self.root if self.root.exists() else self.root.parent)
+        except OSError:
+            return 0
+        return stat.f_bavail * stat.f_frsize
+
     def make_room(self, need: int) -> bool:
-        """Drop durable hot copies, oldest first, until ``need`` more bytes fit; whether they do."""
+        """Drop durable hot copies, oldest first, until ``need`` more bytes fit; whether they do.
+
+        They fit when the tier stays within its capacity *and* its file system has the room.
+        """
         capacity = self.capacity
-        used = self.used()
+
+        def fits() -> bool:
+            return self.used() + need <= capacity and need <= self.free_bytes()
+
         for record in self.records():
-            if used + need <= capacity:
-                break
+            if fits():
+                return True
             if record.state == DURABLE:
                 self.remove(record.id)
-                used = self.used()
-        return used + need <= capacity
+        return fits()
 
     # -- reading back -------------------------------------------------------------------------------
 
