@@ -210,3 +210,19 @@ def test_a_dump_goes_to_disk_when_the_hot_file_system_is_short_of_room(
     )
     assert store.staging_dir("big", size_hint=16 * MiB).parent == store.cold_staging
     assert store.staging_dir("small", size_hint=MiB).parent == small_tmpfs / "hot"
+
+
+def test_a_hot_image_is_hashed_once_then_verified_on_every_read(settings: Settings) -> None:
+    store = TieredStore(settings)
+    staging = _stage(store, "c1", os.urandom(MiB))
+    record = store.hot.commit("c1", "job", staging, {})  # as put does, without starting a destager
+    assert all(digest is None for _, digest in record.files.values())  # put costs only a rename
+    store.get("c1", store.restore_dir("c1"))  # the first read records the hashes ...
+    hashed = store.hot.record("c1")
+    assert hashed is not None and all(digest for _, digest in hashed.files.values())
+    pages = store.hot.image_dir("c1") / "pages-1.img"
+    blob = bytearray(pages.read_bytes())
+    blob[3] ^= 1
+    pages.write_bytes(bytes(blob))
+    with pytest.raises(CorruptImage, match="hot tier"):  # ... and every later read checks them
+        store.get("c1", store.restore_dir("c1"))

@@ -33,6 +33,7 @@ def destage(store: TieredStore, record: HotRecord) -> None:
     hot, repo = store.hot, store.repo
     total = record.size
     hot.update(record.id, state=DESTAGING, done_bytes=0, error=None)
+    hot.hash_files(record.id)  # for restores from RAM to verify against
     started = time.monotonic()
     if repo.has(record.id):  # stored before a crash, only the hot record was not updated
         manifest = repo.manifest(record.id)

@@ -9,7 +9,8 @@ Layout under the hot folder::
     destager.log            what the destager did
 
 The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and BLAKE3
-hash (a hot image is verified when read back like any other), and its state: ``staged`` (waiting for the
+hash (a hot image is verified when read back like any other; the hashes are taken by the destager or by
+the first restore, whichever comes first, so that ``put`` costs only a rename), and its state: ``staged`` (waiting for the
 destager), ``destaging`` (with bytes done), ``durable`` (a manifest is in the cold tier; the hot copy is
 only a cache now and is dropped oldest first when the tier is over capacity).
 """
@@ -17,6 +18,7 @@ only a cache now and is dropped oldest first when the tier is over capacity).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -135,13 +137,17 @@ class HotTier:
         return image_dir.parent == self.root and image_dir.name.endswith(".partial")
 
     def commit(self, checkpoint_id: str, job: str, partial: Path, meta: dict[str, Any]) -> HotRecord:
-        """Hash the dumped files and make the image visible (rename: all or nothing)."""
+        """Make the dumped image visible (rename: all or nothing).
+
+        Its files are hashed later, by the destager or by the first restore (:meth:`hash_files`), so that
+        the checkpoint returns as soon as the dump is done.
+        """
         final = self._dir(checkpoint_id)
         files: dict[str, list[Any]] = {}
         for path in sorted(partial.iterdir()):
             if path.name.startswith(".") or not path.is_file() or path.is_symlink():
                 continue
-            files[path.name] = [path.stat().st_size, hash_file(path)]
+            files[path.name] = [path.stat().st_size, None]
         record = HotRecord(checkpoint_id, job, float(meta.get("created_at") or time.time()), files, meta=meta)
         try:
             self._write(partial, record)
@@ -186,10 +192,45 @@ class HotTier:
                 found.append(record)
         return sorted(found, key=lambda r: r.created_at)
 
+    @contextlib.contextmanager
+    def _locked(self, checkpoint_id: str) -> Iterator[None]:
+        """Serialises read-modify-write of one record (the destager and a restore may both update it)."""
+        try:
+            fd = os.open(self._dir(checkpoint_id) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield  # the image is gone: nothing to protect
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def update(self, checkpoint_id: str, **changes: Any) -> HotRecord | None:
+        with self._locked(checkpoint_id):
+            record = self.record(checkpoint_id)
+            if record is None:
+                return None
+            record = replace(record, **changes)
+            with contextlib.suppress(OSError):
+                self._write(self._dir(checkpoint_id), record)
+            return record
+
+    def hash_files(self, checkpoint_id: str) -> HotRecord | None:
+        """Record the BLAKE3 hash of each file that has none yet (hashes once recorded are kept)."""
         record = self.record(checkpoint_id)
-        if record is None:
-            return None
+        if record is None or all(digest for _, digest in record.files.values()):
+            return record
+        source = self._dir(checkpoint_id)
+        hashed = {name: digest or hash_file(source / name) for name, (_, digest) in record.files.items()}
+        with self._locked(checkpoint_id):
+            current = self.record(checkpoint_id)
+            if current is None:
+                return None
+            files = {name: [size, digest or hashed[name]] for name, (size, digest) in current.files.items()}
+            return self._rewrite(checkpoint_id, current, files=files)
+
+    def _rewrite(self, checkpoint_id: str, record: HotRecord, **changes: Any) -> HotRecord:
         record = replace(record, **changes)
         with contextlib.suppress(OSError):
             self._write(self._dir(checkpoint_id), record)
@@ -251,7 +292,10 @@ class HotTier:
 
     def copy_out(self, checkpoint_id: str, dest: Path) -> bool:
         """Link (or copy) a hot image into ``dest``, verifying every file; False if there is none."""
-        record = self.record(checkpoint_id)
+        try:
+            record = self.hash_files(checkpoint_id)  # a no-op once the destager has hashed them
+        except FileNotFoundError:
+            return False
         if record is None:
             return False
         source = self._dir(checkpoint_id)
