@@ -174,7 +174,11 @@ def checkpoint_in_launcher(
             )
         except TorporError as exc:
             if hibernate:
-                _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
+                try:
+                    _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
+                except TorporError:
+                    staging = None  # the only copy of the job now: keep it for the user
+                    raise
             raise
         committed = True
         total_s = time.monotonic() - started
