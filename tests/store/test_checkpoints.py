@@ -60,6 +60,18 @@ def test_a_durable_checkpoint_restores_from_the_cold_tier_alone(torpor: Torpor, 
     torpor.wait_for(lambda: last_step(torpor.log("c")) > at_hibernate + 3, what="progress after resume")
 
 
+def test_a_hibernated_image_leaves_ram_once_durable(torpor: Torpor, hot: Path) -> None:
+    """Hibernation frees memory: the image must not stay in the RAM hot tier once it is on disk."""
+    torpor.run("run", "--name", "h", *python_job("counter.py"))
+    torpor.wait_log("h", "step 3")
+    kept = torpor.json("checkpoint", "h", "--wait")["id"]
+    hibernated = torpor.json("hibernate", "h", "--wait")["id"]
+    torpor.wait_for(lambda: not (hot / hibernated).exists(), what="the hibernated image to leave RAM")
+    assert (hot / kept).exists()  # a plain checkpoint stays hot for fast restores
+    torpor.run("resume", "h")
+    torpor.wait_log("h", f"step {last_step(torpor.log('h')) + 2}")
+
+
 def test_a_second_checkpoint_stores_only_what_changed(torpor: Torpor, hot: Path) -> None:
     job = str(Path(__file__).parent / "jobs" / "memory_check.py")
     torpor.run("run", "--name", "d", "--", sys.executable, "-u", job, "48")

@@ -207,7 +207,7 @@ class Demo:
         if alive:
             raise TorporError(f"hibernation left processes running: {alive}")
         self.note(f"the image waits in torpor's RAM hot tier ({self.engine.settings.hot_path}) while a")
-        self.note("background process stores it on disk; then the RAM copy stays as a cache until needed")
+        self.note("background process stores it on disk; once it is there, the RAM copy is dropped too")
         time.sleep(2)
         self.note(f"2 s later the log still ends at step {self.last_step()}: nothing runs, nothing is lost")
         self.note(f"image {hibernation.id}: {self.engine.ctx.store.state(hibernation.id).state_text}")

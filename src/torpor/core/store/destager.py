@@ -64,6 +64,11 @@ def destage(store: TieredStore, record: HotRecord) -> None:
         f"{record.id} ({record.job}) durable: {total / 2**20:.1f} MiB in {seconds:.2f} s, "
         f"{int(manifest.sizes.get('new_bytes', 0)) / 2**20:.1f} MiB new"
     )
+    if record.meta.get("kind") == "hibernate":
+        # hibernation is for freeing memory: once the image is durable its RAM copy goes too
+        # (a restore already linking it keeps its links; a later one reads the cold tier)
+        hot.remove(record.id)
+        _log(f"{record.id} ({record.job}) hibernated: dropped its RAM copy")
 
 
 def run(store: TieredStore) -> int:
