@@ -7,6 +7,7 @@ uninterrupted run; this test checks that it says so, exits 0 and leaves no job b
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,15 @@ pytest.importorskip("torch")
 @pytest.mark.timeout(300)
 def test_demo_reports_matching_losses(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    env = {**os.environ, "TORPOR_HOME": str(home)}
+    hot = Path("/dev/shm") / f"torpor-test-demo-{os.getpid()}"
+    env = {**os.environ, "TORPOR_HOME": str(home), "TORPOR_HOT_DIR": str(hot)}
+    try:
+        check_demo(env)
+    finally:
+        shutil.rmtree(hot, ignore_errors=True)
+
+
+def check_demo(env: dict[str, str]) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torpor.apps.demo", "--steps", "120"],
         capture_output=True,
