@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,20 +98,45 @@ class Criu:
 
     # -- inspection -------------------------------------------------------------------------------
 
-    def _run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self,
+        args: list[str],
+        timeout: float = 60,
+        abandon_if: Callable[[], bool] | None = None,
+        abandon_after: float = 10.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run criu; kill it if it outlives ``timeout``, or if ``abandon_if()`` stays true ``abandon_after`` s.
+
+        ``abandon_if`` guards against a criu that waits forever on a process that died under it.
+        """
         try:
-            return subprocess.run(
+            proc = subprocess.Popen(
                 [str(self.path), *args],
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=timeout,
-                check=False,
                 stdin=subprocess.DEVNULL,
             )
         except FileNotFoundError as exc:
             raise CriuUnavailable(f"criu not found at {self.path}: run 'make setup'") from exc
         except PermissionError as exc:
             raise CriuUnavailable(f"criu at {self.path} is not executable") from exc
+        deadline = time.monotonic() + timeout
+        abandoned_since: float | None = None
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=0.25)
+                return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            gone = abandon_if is not None and abandon_if()
+            abandoned_since = (abandoned_since or now) if gone else None
+            if now > deadline or (abandoned_since is not None and now - abandoned_since > abandon_after):
+                proc.kill()
+                stdout, stderr = proc.communicate()
+                why = "timed out" if now > deadline else "hung on a process that is gone"
+                return subprocess.CompletedProcess(proc.args, -9, stdout, stderr + f"\ncriu {why}; killed")
 
     def info(self) -> CriuInfo:
         """Version of this criu; raises :class:`CriuUnavailable` if it is older than 4.2."""
@@ -178,7 +204,7 @@ class Criu:
         ]
         if leave_running:
             args.append("--leave-running")
-        out = self._run(args, timeout=3600)
+        out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             text = "\n".join(details)
@@ -263,7 +289,7 @@ class Criu:
             *(["--lazy-pages"] if lazy else []),
             *extra,
         ]
-        out = self._run(args, timeout=3600)
+        out = self._run(args, timeout=6 * 3600)
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             message = f"criu restore failed (exit status {out.returncode})"

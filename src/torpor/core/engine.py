@@ -61,6 +61,7 @@ from torpor.errors import (
     TorporError,
     UsageError,
     WrongState,
+    from_dict,
 )
 from torpor.settings import Settings
 
@@ -395,8 +396,15 @@ class Engine:
             n += 1
         return f"{base}-{n}"
 
-    def _spawn_launcher(self, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    def _spawn_launcher(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Start a detached launcher and wait for its one-line report (started / restored / failed)."""
+        return self._start_launcher(spec).release({})
+
+    def _start_launcher(self, spec: dict[str, Any]) -> PendingLauncher:
+        """Start a detached launcher that imports and opens its state, then waits for :meth:`release`.
+
+        A restore starts it before fetching the image, so the launcher's start-up overlaps the fetch.
+        """
         spec = {
             "home": str(self.settings.home),
             "criu": str(self.settings.criu or "") or None,
@@ -405,33 +413,26 @@ class Engine:
         }
         log = self.settings.job_dir(spec["job"]) / "launcher.log"
         ready_r, ready_w = os.pipe()
-        with open(log, "ab") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "torpor.core.launcher", json.dumps(spec), str(ready_w)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=(ready_w,),
-                close_fds=True,
-            )
-        os.close(ready_w)
-        with os.fdopen(ready_r) as pipe:
-            line = pipe.readline()
-        if not line:
-            process.wait(timeout=timeout)
-            tail = log.read_text(errors="replace").splitlines()[-8:]
-            raise TorporError(
-                f"the launcher for '{spec['job']}' died before reporting (exit {process.returncode})",
-                details=tail,
-            )
-        report: dict[str, Any] = json.loads(line)
-        if not report.get("ok"):
-            process.wait(timeout=timeout)
-            from torpor.errors import from_dict
-
-            raise from_dict(report)
-        return report
+        go_r, go_w = os.pipe()
+        try:
+            with open(log, "ab") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "torpor.core.launcher", json.dumps(spec), str(ready_w), str(go_r)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(ready_w, go_r),
+                    close_fds=True,
+                )
+        except BaseException:
+            for fd in (ready_r, go_w):
+                os.close(fd)
+            raise
+        finally:
+            os.close(ready_w)
+            os.close(go_r)
+        return PendingLauncher(str(spec["job"]), process, log, ready_r, go_w)
 
     # -- inspect ---------------------------------------------------------------------------------------
 
@@ -566,7 +567,9 @@ class Engine:
             name, RESTORABLE_STATES, JobState.RESTORING, launcher_pid=os.getpid()
         )
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
+        launcher: PendingLauncher | None = None
         try:
+            launcher = self._start_launcher({"mode": "restore", "job": name})
             if previous.pid and not system.wait_gone(
                 previous.pid, previous.pid_ticks, self.settings.pid_wait_s
             ):
@@ -587,16 +590,10 @@ class Engine:
             if recreated:
                 progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
             progress("restoring with criu")
-            self._spawn_launcher(
-                {
-                    "mode": "restore",
-                    "job": name,
-                    "image_dir": str(image_dir),
-                    "checkpoint_id": checkpoint.id,
-                    "lazy": lazy,
-                }
-            )
+            launcher.release({"image_dir": str(image_dir), "checkpoint_id": checkpoint.id, "lazy": lazy})
         except TorporError as exc:
+            if launcher is not None:
+                launcher.abort()
             shutil.rmtree(image_dir, ignore_errors=True)
             self.records.transition(name, {JobState.RESTORING}, previous.state)
             if not isinstance(exc, RestoreFailed):
@@ -675,6 +672,52 @@ def _name_from_command(command: list[str]) -> str:
             if not arg.startswith("-"):
                 return Path(arg).stem or program
     return program
+
+
+class PendingLauncher:
+    """A launcher that has started and waits for the rest of its spec on a pipe (or for EOF: abort)."""
+
+    def __init__(
+        self, job: str, process: subprocess.Popen[bytes], log: Path, ready_fd: int, go_fd: int
+    ) -> None:
+        self.job = job
+        self.process = process
+        self.log = log
+        self.ready_fd = ready_fd
+        self.go_fd: int | None = go_fd
+
+    def release(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """Send the rest of the spec and wait for the launcher's report; raise its error if it failed."""
+        assert self.go_fd is not None
+        try:
+            os.write(self.go_fd, json.dumps(extra).encode() + b"\n")
+        except BrokenPipeError:
+            pass  # it died already: its report (or its silence) says why
+        finally:
+            os.close(self.go_fd)
+            self.go_fd = None
+        with os.fdopen(self.ready_fd) as pipe:
+            line = pipe.readline()
+        if not line:
+            self.process.wait(timeout=60)
+            tail = self.log.read_text(errors="replace").splitlines()[-8:]
+            raise TorporError(
+                f"the launcher for '{self.job}' died before reporting (exit {self.process.returncode})",
+                details=tail,
+            )
+        report: dict[str, Any] = json.loads(line)
+        if not report.get("ok"):
+            self.process.wait(timeout=60)
+            raise from_dict(report)
+        return report
+
+    def abort(self) -> None:
+        """Tell a launcher still waiting for :meth:`release` to exit without doing anything."""
+        if self.go_fd is not None:
+            os.close(self.go_fd)
+            self.go_fd = None
+            os.close(self.ready_fd)
+            self.process.wait(timeout=60)
 
 
 def _check_name(name: str) -> None:

@@ -266,10 +266,17 @@ def _report(fd: int, message: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    spec = LaunchSpec(**json.loads(args[0]))
-    ready_fd = int(args[1])
+    fields = json.loads(args[0])
+    ready_fd, go_fd = int(args[1]), int(args[2])
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
+    # the CLI starts us early (a restore fetches its image meanwhile), then sends the rest of the spec
+    with os.fdopen(go_fd, "rb") as go:
+        line = go.readline()
+    if not line:
+        print(f"launcher {os.getpid()} for job {fields['job']}: called off before it started", flush=True)
+        return 0
+    spec = LaunchSpec(**{**fields, **json.loads(line)})
     print(f"launcher {os.getpid()} for job {spec.job} ({spec.mode}) at {time.ctime()}", flush=True)
     return Launcher(spec).serve(ready_fd)
 
