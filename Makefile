@@ -32,6 +32,7 @@ test: lint typecheck contracts unit
 bench: setup
 	$(BIN)/python scripts/bench.py
 	$(BIN)/python scripts/bench_store.py
+	$(BIN)/python scripts/bench_slurm.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
