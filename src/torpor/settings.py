@@ -37,7 +37,7 @@ class Settings:
     hot_dir: Path | None = None
     #: most bytes of images the hot tier keeps; ``None``: half of its file system
     hot_capacity_bytes: int | None = None
-    #: the cold tier: ``None`` for a folder store in ``home/store``, a path, ``file:///PATH`` or
+    #: the cold tier: ``None`` for a folder store in ``home/images``, a path, ``file:///PATH`` or
     #: ``s3://BUCKET/PREFIX`` (a shared cold tier lets another node restore a job)
     store_url: str | None = None
     #: S3 endpoint URL for S3-compatible servers (MinIO, Ceph, moto); credentials: boto3's usual chain
