@@ -800,7 +800,8 @@ def main() -> int:
         say(f"work folder {work} ({filesystem_of(work)}), criu {version} at {settings.criu}")
         # raw CRIU also dumps into the file system of torpor's hot tier (RAM), to tell torpor's own
         # overhead from the cost of where it writes
-        hot = settings.hot_path.with_name(settings.hot_path.name + "-raw")
+        engine.ctx.store.hot.ensure()  # type: ignore[attr-defined]  # mounts torpor's own tmpfs there
+        hot = settings.hot_path / "bench.raw"  # a name with a dot is never taken for a leftover
         hot.mkdir(parents=True)
         try:
             memory = [
@@ -813,9 +814,11 @@ def main() -> int:
             )
         finally:
             shutil.rmtree(hot, ignore_errors=True)
+            places = {"disk": filesystem_of(work), "hot": filesystem_of(settings.hot_path)}
             if not args.keep:  # the hot tier lives in RAM outside the work folder
                 shutil.rmtree(settings.hot_path, ignore_errors=True)
-        places = {"disk": filesystem_of(work), "hot": filesystem_of(settings.hot_path)}
+                system.unmount(settings.hot_path)
+                shutil.rmtree(settings.hot_path, ignore_errors=True)
         section = render(
             memory, train, args.repeat, version, places, time.monotonic() - started, machine(criu)
         )

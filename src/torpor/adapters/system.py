@@ -30,6 +30,18 @@ def unshare_pid_namespace() -> None:
     _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
 
 
+def mount_tmpfs(path: Path, options: str) -> None:
+    """Mount a new tmpfs on ``path`` (e.g. ``huge=within_size,size=…``); raises OSError."""
+    result = _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode())
+    _check(result, f"mount tmpfs on {path}")
+
+
+def unmount(path: Path) -> None:
+    """Lazily unmount ``path`` if something is mounted there (nothing happens otherwise)."""
+    if os.path.ismount(path):
+        _check(_libc.umount2(os.fsencode(path), 2), f"umount {path}")  # MNT_DETACH
+
+
 def become_subreaper() -> None:
     """Orphaned descendants (e.g. a tree restored by ``criu restore -d``) are re-parented to us."""
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")

@@ -320,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                 demo.clean_up()
             if home is not None:
                 shutil.rmtree(home, ignore_errors=True)
-                shutil.rmtree(
-                    settings.hot_path, ignore_errors=True
-                )  # the hot tier lives in RAM, outside home
+                # the hot tier lives in RAM, outside home (on a tmpfs torpor mounted for it)
+                shutil.rmtree(settings.hot_path, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    system.unmount(settings.hot_path)
+                shutil.rmtree(settings.hot_path, ignore_errors=True)
         elif home is not None:
             print(f"kept the state directory {home} (TORPOR_HOME={home} torpor ps)")
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import blake3
 
+from torpor.adapters import system
 from torpor.core.store.manifest import safe_file_name
 from torpor.errors import CheckpointNotFound, CorruptImage, StorageFull, StoreError
 
@@ -89,10 +90,18 @@ def owner_alive(partial: Path) -> bool:
     return True
 
 
+#: CRIU writes a dump into a tmpfs mounted with this about 1.4x faster than into plain /dev/shm
+#: (4 KiB pages) and faster than into a disk's page cache (docs/benchmarks.md); ``huge=always`` is slower
+#: and erratic (it compacts memory for every 2 MiB page)
+OWN_MOUNT_OPTIONS = "huge=within_size,mode=0700"
+
+
 class HotTier:
-    def __init__(self, root: Path, capacity: int | None = None) -> None:
+    def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
         self.root = root
         self._capacity = capacity
+        #: mount a tmpfs of our own (huge pages) on ``root``: only for the default place in /dev/shm
+        self.own_mount = own_mount
 
     @property
     def capacity(self) -> int:
@@ -114,6 +123,26 @@ class HotTier:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise StoreError(f"cannot create the hot tier {self.root}: {exc.strerror}") from exc
+        if self.own_mount and not os.path.ismount(self.root):
+            self._mount()
+
+    def _mount(self) -> None:
+        """Mount our tmpfs on the (empty) hot folder, once, even with several processes racing here."""
+        lock = self.root.parent / f".{self.root.name}.mount-lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.ismount(self.root) or any(self.root.iterdir()):
+                return  # mounted by another process meanwhile, or an older plain hot tier in use
+            parent = os.statvfs(self.root.parent)
+            size = parent.f_blocks * parent.f_frsize  # the same limit as the file system it replaces
+            with contextlib.suppress(OSError):  # not root, or no tmpfs: a plain folder works, slower
+                system.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")
+        finally:
+            os.close(fd)
 
     # -- staging ------------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ _children: list[subprocess.Popen[bytes]] = []
 class TieredStore:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes)
+        self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes, own_mount=settings.hot_dir is None)
         self.cold_staging = settings.home / "staging"
         self._repo: Repository | None = None
         self._kicked = 0.0

@@ -1,0 +1,66 @@
+"""The default RAM hot tier is a tmpfs of torpor's own, mounted with huge pages (CRIU dumps into it
+faster than into /dev/shm itself); it is mounted once, and never over a folder already in use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import Torpor, python_job
+from torpor.adapters import system
+from torpor.core.store.hot import HotTier
+from torpor.settings import Settings
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def mount_options(path: Path) -> str | None:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == str(path):
+            return fields[3]
+    return None
+
+
+@pytest.mark.criu
+def test_default_hot_tier_is_a_huge_page_tmpfs(torpor: Torpor) -> None:
+    del torpor.env["TORPOR_HOT_DIR"]
+    hot = Settings(home=torpor.home).hot_path
+    try:
+        torpor.run("run", "--name", "m", *python_job("counter.py"))
+        torpor.wait_log("m", "step 2")
+        checkpoint = torpor.json("checkpoint", "m")
+        options = mount_options(hot)
+        assert options is not None and "huge=within_size" in options
+        assert (hot / checkpoint["id"]).is_dir()
+        torpor.run("stop", "m", "--timeout", "0")
+        torpor.run("resume", "m")
+        torpor.wait_state("m", "running")
+    finally:
+        torpor.run("rm", "--force", "m", check=False)
+        shutil.rmtree(hot, ignore_errors=True)
+        system.unmount(hot)
+        shutil.rmtree(hot, ignore_errors=True)
+        Path(f"{hot.parent}/.{hot.name}.mount-lock").unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_mounts_once_and_never_over_a_folder_in_use(tmp_path: Path) -> None:
+    root = tmp_path / "hot"
+    try:
+        HotTier(root, own_mount=True).ensure()
+        assert mount_options(root) is not None
+        (root / "marker").write_text("x")
+        HotTier(root, own_mount=True).ensure()  # already mounted: nothing stacked on top
+        assert (root / "marker").exists()
+    finally:
+        system.unmount(root)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "image").write_text("x")
+    HotTier(used, own_mount=True).ensure()
+    assert mount_options(used) is None and (used / "image").exists()
