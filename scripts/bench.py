@@ -556,7 +556,7 @@ def render(
         "image from the store, verifying every byte against its hash, and starting a launcher that runs "
         "`criu restore`.",
         "",
-        "The machine is shared (2 cores, other test suites running) and page-cache writeback makes dumps "
+        "The machine has 2 cores and is a virtual one; page-cache writeback makes dumps "
         "to disk vary: ratios move between runs, so read the samples at the end before a single number.",
         "",
     ]
