@@ -47,6 +47,7 @@ from pathlib import Path
 from torpor.adapters import system
 from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu, read_dump_stats
 from torpor.core.engine import Engine
+from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
 
 HERE = Path(__file__).resolve().parent
@@ -816,9 +817,7 @@ def main() -> int:
             shutil.rmtree(hot, ignore_errors=True)
             places = {"disk": filesystem_of(work), "hot": filesystem_of(settings.hot_path)}
             if not args.keep:  # the hot tier lives in RAM outside the work folder
-                shutil.rmtree(settings.hot_path, ignore_errors=True)
-                system.unmount(settings.hot_path)
-                shutil.rmtree(settings.hot_path, ignore_errors=True)
+                remove_hot_tier(settings)
         section = render(
             memory, train, args.repeat, version, places, time.monotonic() - started, machine(criu)
         )

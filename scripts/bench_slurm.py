@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "slurm"))
 
 from slurm_cluster import Cluster, running_cluster, slurm_available  # noqa: E402
 
+from torpor.core.store import remove_hot_tier  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
 DOC = HERE.parent / "docs" / "benchmarks.md"
@@ -182,7 +182,7 @@ def run_once(cluster: Cluster, mode: str, args: argparse.Namespace, folder: Path
             note += f"hibernate {hib.group(3)} s ({hib.group(2)} MiB image, frozen {hib.group(1)} s)"
         if res:
             note += f"; restore {res.group(1)} s"
-    shutil.rmtree(Settings(home=home).hot_path, ignore_errors=True)
+    remove_hot_tier(Settings(home=home))
     return Result(
         mode=mode,
         signal_to_free_s=high_start - float(signal_at.group(1)),

@@ -436,7 +436,6 @@ def main() -> int:
     system.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
     work = Path(tempfile.mkdtemp(prefix="torpor-bench-store-", dir="/var/tmp"))
     bench = Bench(work, args.repeat)
-    hot = bench.settings.hot_path
     started = time.monotonic()
     try:
         for part in args.only or ["incremental", "lazy", "zeros", "destager"]:
@@ -446,10 +445,7 @@ def main() -> int:
             with contextlib.suppress(Exception):
                 bench.engine.remove(job.name, force=True)
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(hot, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            system.unmount(hot)
-        shutil.rmtree(hot, ignore_errors=True)
+        bench.engine.ctx.store.hot.remove_all()  # type: ignore[attr-defined]
     lines = [
         "## Store (issue 3)",
         "",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from slurm_cluster import Cluster
 
+from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
 
 TORPOR = str(Path(sys.executable).parent / "torpor")
@@ -153,7 +153,7 @@ class SlurmJobs:
         for pid in processes_of(self.home):
             os.kill(pid, signal.SIGKILL)
         # torpor's RAM hot tier for this home (in /dev/shm), if any command made one
-        shutil.rmtree(Settings(home=self.home).hot_path, ignore_errors=True)
+        remove_hot_tier(Settings(home=self.home))
 
 
 def processes_of(home: Path) -> list[int]:

@@ -5,13 +5,13 @@ faster than into /dev/shm itself); it is mounted once, and never over a folder a
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from conftest import Torpor, python_job
 from torpor.adapters import system
+from torpor.core.store import remove_hot_tier
 from torpor.core.store.hot import HotTier
 from torpor.settings import Settings
 
@@ -42,10 +42,8 @@ def test_default_hot_tier_is_a_huge_page_tmpfs(torpor: Torpor) -> None:
         torpor.wait_state("m", "running")
     finally:
         torpor.run("rm", "--force", "m", check=False)
-        shutil.rmtree(hot, ignore_errors=True)
-        system.unmount(hot)
-        shutil.rmtree(hot, ignore_errors=True)
-        Path(f"{hot.parent}/.{hot.name}.mount-lock").unlink(missing_ok=True)
+        remove_hot_tier(Settings(home=torpor.home))
+    assert mount_options(hot) is None and not hot.exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")

@@ -34,6 +34,7 @@ from pathlib import Path
 from torpor.adapters import system
 from torpor.core.engine import Engine
 from torpor.core.records import JobState
+from torpor.core.store import remove_hot_tier
 from torpor.errors import EnvironmentProblem, TorporError
 from torpor.settings import Settings
 
@@ -320,11 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 demo.clean_up()
             if home is not None:
                 shutil.rmtree(home, ignore_errors=True)
-                # the hot tier lives in RAM, outside home (on a tmpfs torpor mounted for it)
-                shutil.rmtree(settings.hot_path, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    system.unmount(settings.hot_path)
-                shutil.rmtree(settings.hot_path, ignore_errors=True)
+                remove_hot_tier(settings)  # it lives in RAM, outside home
         elif home is not None:
             print(f"kept the state directory {home} (TORPOR_HOME={home} torpor ps)")
 

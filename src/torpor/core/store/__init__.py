@@ -17,6 +17,7 @@ knows how images are kept. Modules, bottom up (one activity each, as in borg/bor
 from __future__ import annotations
 
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, ImageStore, StoredImage
+from torpor.core.store.hot import HotTier
 from torpor.core.store.tiered import TieredStore
 from torpor.settings import Settings
 
@@ -29,8 +30,14 @@ __all__ = [
     "StoredImage",
     "TieredStore",
     "open_store",
+    "remove_hot_tier",
 ]
 
 
 def open_store(settings: Settings) -> ImageStore:
     return TieredStore(settings)
+
+
+def remove_hot_tier(settings: Settings) -> None:
+    """Delete the RAM hot tier of ``settings`` (it lives outside the state directory), mount and all."""
+    HotTier(settings.hot_path, own_mount=settings.hot_dir is None).remove_all()

@@ -126,6 +126,14 @@ class HotTier:
         if self.own_mount and not os.path.ismount(self.root):
             self._mount()
 
+    def remove_all(self) -> None:
+        """Delete the whole hot tier, images included, and unmount torpor's tmpfs if it has one."""
+        shutil.rmtree(self.root, ignore_errors=True)  # empties a mount point, cannot remove it
+        with contextlib.suppress(OSError):
+            system.unmount(self.root)
+        shutil.rmtree(self.root, ignore_errors=True)
+        (self.root.parent / f".{self.root.name}.mount-lock").unlink(missing_ok=True)
+
     def _mount(self) -> None:
         """Mount our tmpfs on the (empty) hot folder, once, even with several processes racing here."""
         lock = self.root.parent / f".{self.root.name}.mount-lock"
