@@ -147,22 +147,9 @@ class RawProcess:
         self.count += 1
         images = (into or self.work) / f"dump-{self.count}"
         images.mkdir()
-        command = [
-            str(self.criu),
-            "dump",
-            "--tree",
-            str(self.pid),
-            "--images-dir",
-            str(images),
-            "--log-file",
-            str(self.work / f"dump-{self.count}.log"),
-            *self._options(),
-            *DUMP_OPTIONS,
-            "--ghost-limit",
-            GHOST_LIMIT,
-        ]
-        if leave_running:
-            command.append("--leave-running")
+        command = Criu(self.criu).dump_command(
+            self.pid, images, self.work / f"dump-{self.count}.log", leave_running=leave_running
+        )
         began = time.monotonic()
         subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
         wall = time.monotonic() - began
@@ -443,22 +430,7 @@ def raw_dump_of(criu: Path, work: Path, pid: int, tag: str) -> tuple[float, floa
     """A raw ``criu dump --leave-running`` of a process torpor supervises (the same process, same state)."""
     images = work / f"train-raw-{tag}"
     images.mkdir()
-    command = [
-        str(criu),
-        "dump",
-        "--tree",
-        str(pid),
-        "--images-dir",
-        str(images),
-        "--log-file",
-        str(work / f"train-raw-{tag}.log"),
-        "-v4",
-        *COMMON_OPTIONS,
-        *DUMP_OPTIONS,
-        "--ghost-limit",
-        GHOST_LIMIT,
-        "--leave-running",
-    ]
+    command = Criu(criu).dump_command(pid, images, work / f"train-raw-{tag}.log", leave_running=True)
     began = time.monotonic()
     subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
     wall = time.monotonic() - began

@@ -153,28 +153,15 @@ class Bench:
         self, name: str, leave_running: bool = True, fsync: bool = False, into: Path | None = None
     ) -> tuple[float, float, int, Path]:
         """(frozen s, wall s incl. fsync if asked, image bytes, folder) of a raw dump of job ``name``."""
-        from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, read_dump_stats
+        from torpor.adapters.criu import Criu, read_dump_stats
 
         pid = self.engine.records.job(name).pid
         self.n += 1
         images = (into or self.work) / f"raw-{self.n}"
         images.mkdir(parents=True)
-        command = [
-            str(self.criu),
-            "dump",
-            "--tree",
-            str(pid),
-            "--images-dir",
-            str(images),
-            "--log-file",
-            str(self.work / f"raw-{self.n}.log"),
-            *COMMON_OPTIONS,
-            *DUMP_OPTIONS,
-            "--ghost-limit",
-            GHOST_LIMIT,
-        ]
-        if leave_running:
-            command.append("--leave-running")
+        command = Criu(self.criu).dump_command(
+            pid, images, self.work / f"raw-{self.n}.log", leave_running=leave_running
+        )
         began = time.monotonic()
         subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
         if fsync:

@@ -173,6 +173,34 @@ class Criu:
 
     # -- dump and restore -----------------------------------------------------------------------
 
+    def dump_command(
+        self,
+        pid: int,
+        images_dir: Path,
+        log_path: Path,
+        *,
+        leave_running: bool,
+        extra: tuple[str, ...] = (),
+    ) -> list[str]:
+        """The ``criu dump`` command line torpor runs (benchmarks run the same one as their anchor)."""
+        return [
+            str(self.path),
+            "dump",
+            "--tree",
+            str(pid),
+            "--images-dir",
+            str(images_dir),
+            "--log-file",
+            str(log_path),
+            "-v4",
+            *COMMON_OPTIONS,
+            *DUMP_OPTIONS,
+            "--ghost-limit",
+            GHOST_LIMIT,
+            *extra,
+            *(["--leave-running"] if leave_running else []),
+        ]
+
     def dump(
         self,
         pid: int,
@@ -187,23 +215,7 @@ class Criu:
         CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1).
         """
         self.require()
-        args = [
-            "dump",
-            "--tree",
-            str(pid),
-            "--images-dir",
-            str(images_dir),
-            "--log-file",
-            str(log_path),
-            "-v4",
-            *COMMON_OPTIONS,
-            *DUMP_OPTIONS,
-            "--ghost-limit",
-            GHOST_LIMIT,
-            *extra,
-        ]
-        if leave_running:
-            args.append("--leave-running")
+        args = self.dump_command(pid, images_dir, log_path, leave_running=leave_running, extra=extra)[1:]
         out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]

@@ -81,13 +81,7 @@ def owner_alive(partial: Path) -> bool:
         pid = int((partial / OWNER).read_text())
     except (OSError, ValueError):
         return time.time() - partial.stat().st_mtime < 3600  # unknown owner: only very old ones go
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return system.is_alive(pid)
 
 
 #: CRIU writes a dump into a tmpfs mounted with this about 1.4x faster than into plain /dev/shm

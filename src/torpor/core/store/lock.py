@@ -19,21 +19,12 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from torpor.adapters import system
 from torpor.core.store.backend import Backend
 from torpor.errors import ObjectNotFound, StoreBusy, StoreError
 
 SHARED = "s"
 EXCLUSIVE = "x"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RepositoryLock:
@@ -54,7 +45,11 @@ class RepositoryLock:
             return False  # unreadable for now: assume held, it will be retried
         if not isinstance(data, dict):
             return True
-        if data.get("host") == self.host and isinstance(data.get("pid"), int) and not _pid_alive(data["pid"]):
+        if (
+            data.get("host") == self.host
+            and isinstance(data.get("pid"), int)
+            and not system.is_alive(data["pid"])
+        ):
             return True
         return bool(time.time() - float(data.get("time", 0)) > self.stale_s)
 
