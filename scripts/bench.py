@@ -35,7 +35,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchdoc import DOC, dir_bytes, median, say, wait_for, write_section
+
 from torpor.adapters import system
 from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu, read_dump_stats
 from torpor.core.engine import Engine
@@ -51,31 +52,9 @@ from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
 
 HERE = Path(__file__).resolve().parent
-DOC = HERE.parent / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- core:begin -->", "<!-- core:end -->"
 GIB = 2**30
 FREEZE_BAR = 1.10  # issue 2: torpor adds at most 10 % to raw CRIU's freeze time
 KEEP = False  # --keep: leave jobs and CRIU logs behind for a post-mortem
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclass
@@ -700,31 +679,6 @@ def machine_table(described: list[tuple[str, str]]) -> str:
     return "\n".join(["| machine | |", "|---|---|", *(f"| {key} | {value} |" for key, value in described)])
 
 
-def splice(text: str | None, section: str) -> str:
-    """``text`` (a benchmarks page, or None for a new one) with this script's section put in or replaced."""
-    if text is None:
-        text = (
-            "# torpor benchmarks\n\n"
-            "Each section is written by its own benchmark script, between its own markers, and compares torpor "
-            "with an anchor measured in the same run, as a ratio: these machines are shared and noisy.\n"
-        )
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        return head + block + tail
-    return text.rstrip("\n") + "\n\n" + block + "\n"
-
-
-def write_section(doc: Path, section: str) -> None:
-    """Put this script's section into ``doc``, leaving every other section as it is."""
-    text = splice(doc.read_text() if doc.exists() else None, section)
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    tmp = doc.with_name(f".{doc.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, doc)
-
-
 def filesystem_of(path: Path) -> str:
     best, kind = "", "unknown"
     with contextlib.suppress(OSError):
@@ -796,7 +750,7 @@ def main() -> int:
     if args.no_write:
         say("\n" + section)
     else:
-        write_section(args.doc, section)
+        write_section("core", section, args.doc)
         say(f"\n{section}\n\nwrote {args.doc}")
     return 0
 

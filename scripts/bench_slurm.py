@@ -39,13 +39,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "slurm"))
 
+from benchdoc import DOC, write_section  # noqa: E402
 from slurm_cluster import Cluster, running_cluster, slurm_available  # noqa: E402
 
 from torpor.core.store import remove_hot_tier  # noqa: E402
 from torpor.settings import Settings  # noqa: E402
 
-DOC = HERE.parent / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- slurm:begin -->", "<!-- slurm:end -->"
 TORPOR = str(Path(sys.executable).parent / "torpor")
 TRAIN = HERE.parent / "tests" / "slurm" / "train.py"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -238,28 +237,6 @@ def section(results: list[Result], args: argparse.Namespace, root: Path, load: t
     )
 
 
-def write_section(doc: Path, text: str) -> None:
-    if doc.exists():
-        content = doc.read_text()
-    else:
-        content = (
-            "# torpor benchmarks\n\n"
-            "Each section is written by its own benchmark script (between its own markers) and compares torpor "
-            "with an anchor measured in the same run, as a ratio: these machines are shared and noisy.\n"
-        )
-    block = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in content and END in content:
-        head, rest = content.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        content = head + block + tail
-    else:
-        content = content.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    tmp = doc.with_name(f".{doc.name}.slurm.tmp")
-    tmp.write_text(content)
-    os.replace(tmp, doc)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -294,7 +271,7 @@ def main() -> int:
         text = section(results, args, Path(tempfile.gettempdir()), (load_start, os.getloadavg()[0]))
     print(text)
     if not args.no_doc:
-        write_section(DOC, text)
+        write_section("slurm", text)
         print(f"wrote the slurm section of {DOC}")
     return 0
 

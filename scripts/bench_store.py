@@ -27,7 +27,6 @@ import os
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchdoc import DOC, dir_bytes, median, say, wait_for, write_section
+
 HERE = Path(__file__).resolve().parent
-DOC = HERE.parent / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- store:begin -->", "<!-- store:end -->"
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -85,29 +84,6 @@ def workload(kind: str, size: int) -> int:
             time.sleep(0.005)
     while True:
         time.sleep(3600)
-
-
-# -- helpers ----------------------------------------------------------------------------------------------
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 class Bench:
@@ -254,23 +230,23 @@ class Bench:
                     freeze_rh.append(frozen)
         self.add(
             "freeze time (CRIU frozen)",
-            f"{med(freeze_t):.2f} s",
-            f"{med(freeze_r):.2f} s",
-            f"{med(freeze_t) / med(freeze_r):.2f}x",
+            f"{median(freeze_t):.2f} s",
+            f"{median(freeze_r):.2f} s",
+            f"{median(freeze_t) / median(freeze_r):.2f}x",
             "≤ 1.1x",
         )
         self.add(
             "freeze time vs raw CRIU dumping into the same tmpfs",
-            f"{med(freeze_t):.2f} s",
-            f"{med(freeze_rh):.2f} s",
-            f"{med(freeze_t) / med(freeze_rh):.2f}x",
+            f"{median(freeze_t):.2f} s",
+            f"{median(freeze_rh):.2f} s",
+            f"{median(freeze_t) / median(freeze_rh):.2f}x",
             "-",
         )
         self.add(
             "time until durable (raw: dump + fsync)",
-            f"{med(durable_t):.2f} s",
-            f"{med(durable_r):.2f} s",
-            f"{med(durable_t) / med(durable_r):.2f}x",
+            f"{median(durable_t):.2f} s",
+            f"{median(durable_r):.2f} s",
+            f"{median(durable_t) / median(durable_r):.2f}x",
             "≤ 1.0x",
         )
         hot_t, cold_t, raw_t = [], [], []
@@ -293,16 +269,16 @@ class Bench:
             cold_t.append(time.monotonic() - began)
         self.add(
             "restore from the hot tier",
-            f"{med(hot_t):.2f} s",
-            f"{med(raw_t):.2f} s",
-            f"{med(hot_t) / med(raw_t):.2f}x",
+            f"{median(hot_t):.2f} s",
+            f"{median(raw_t):.2f} s",
+            f"{median(hot_t) / median(raw_t):.2f}x",
             "≤ 1.1x",
         )
         self.add(
             "restore from the cold tier",
-            f"{med(cold_t):.2f} s",
-            f"{med(raw_t):.2f} s",
-            f"{med(cold_t) / med(raw_t):.2f}x",
+            f"{median(cold_t):.2f} s",
+            f"{median(raw_t):.2f} s",
+            f"{median(cold_t) / median(raw_t):.2f}x",
             "≤ 1.5x",
         )
         self.engine.remove(name, force=True)
@@ -336,9 +312,9 @@ class Bench:
             wait_for(self.lazy_done, "lazy-pages to finish", 300)
         self.add(
             "lazy restore (hot tier): time to first progress, 4 GiB",
-            f"{med(lazy_t):.2f} s",
-            f"{med(raw_t):.2f} s",
-            f"{med(lazy_t) / med(raw_t):.2f}x",
+            f"{median(lazy_t):.2f} s",
+            f"{median(raw_t):.2f} s",
+            f"{median(lazy_t) / median(raw_t):.2f}x",
             "≤ 0.2x",
         )
         self.engine.remove(name, force=True)
@@ -400,17 +376,6 @@ def launcher_gone(bench: Bench, name: str) -> None:
         wait_for(lambda: not system.is_alive(pid), "the launcher to exit", 30)
 
 
-def write_section(lines: list[str]) -> None:
-    text = DOC.read_text() if DOC.exists() else "# torpor benchmarks\n"
-    section = "\n".join([BEGIN, *lines, END])
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
-
-
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--workload":
         return workload(sys.argv[2], int(sys.argv[3]))
@@ -458,7 +423,7 @@ def main() -> int:
         "- *Lazy restore*: the job runs before its memory is in, but the image is still verified whole "
         "first, which dominates the time to first progress.",
     ]
-    write_section(lines)
+    write_section("store", "\n".join(lines))
     say(f"wrote {DOC}")
     return 0
 
