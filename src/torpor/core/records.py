@@ -17,7 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import NewType
 
-from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError
+from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
 
 JobName = NewType("JobName", str)
 CheckpointId = NewType("CheckpointId", str)
@@ -186,8 +186,6 @@ class Records:
 
         Returns the job as it was before; raises :class:`WrongState` if it was in another state.
         """
-        from torpor.errors import WrongState
-
         allowed = {
             "pid",
             "pid_ticks",

@@ -28,8 +28,8 @@ from typing import Any
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, StoredImage
 from torpor.core.store.hot import OWNER, HotRecord, HotTier, owner_alive
-from torpor.core.store.objects import read_key_file
-from torpor.core.store.repository import Repository
+from torpor.core.store.objects import KIND_CHUNK, read_key_file
+from torpor.core.store.repository import Repository, chunk_name
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
 from torpor.settings import Settings
 
@@ -210,9 +210,6 @@ class TieredStore:
         return None
 
     def _chunk_ok(self, chunk: str) -> bool:
-        from torpor.core.store.objects import KIND_CHUNK
-        from torpor.core.store.repository import chunk_name
-
         try:
             self.repo.codec.decode(
                 KIND_CHUNK, self.repo.backend.load(chunk_name(chunk)), chunk, bytes.fromhex(chunk)
