@@ -405,12 +405,7 @@ class Engine:
 
         A restore starts it before fetching the image, so the launcher's start-up overlaps the fetch.
         """
-        spec = {
-            "home": str(self.settings.home),
-            "criu": str(self.settings.criu or "") or None,
-            "settings_dict": self.settings.to_dict(),
-            **spec,
-        }
+        spec = {"settings_dict": self.settings.to_dict(), **spec}
         log = self.settings.job_dir(spec["job"]) / "launcher.log"
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()

@@ -37,19 +37,15 @@ from torpor.settings import Settings
 class LaunchSpec:
     """What the CLI asks a new launcher to do (passed as JSON on its command line)."""
 
-    home: str
-    criu: str | None
+    settings_dict: dict[str, Any]  # the CLI's whole Settings (Settings.to_dict)
     job: str
     mode: str  # "start" or "restore"
     image_dir: str | None = None  # restore: a verified image folder the launcher consumes
     checkpoint_id: str | None = None  # restore: which checkpoint the image is
-    settings_dict: dict[str, Any] | None = None  # the CLI's whole Settings (store options included)
     lazy: bool = False  # restore: start the job before its memory is in (CRIU lazy pages)
 
     def settings(self) -> Settings:
-        if self.settings_dict:
-            return Settings.from_dict(self.settings_dict)
-        return Settings(home=Path(self.home), criu=Path(self.criu) if self.criu else None)
+        return Settings.from_dict(self.settings_dict)
 
 
 class Launcher:
