@@ -235,13 +235,17 @@ class Criu:
         return read_dump_stats(images_dir)
 
     def start_lazy_pages(
-        self, images_dir: Path, log_path: Path, timeout: float = 10
+        self, images_dir: Path, log_path: Path, timeout: float = 10, *, page_server_fd: int | None = None
     ) -> subprocess.Popen[bytes]:
         """Start ``criu lazy-pages`` on ``images_dir`` and return once it listens.
 
         It serves the memory of a tree restored with ``restore(lazy=True)`` on demand (userfaultfd), copies
         the rest in the background, and exits once every page is in (or the tree is gone): the caller
         waits for it before deleting ``images_dir``.
+
+        ``page_server_fd``: a connected socket (see :mod:`torpor.adapters.pageserver`) the daemon asks for
+        the lazy pages instead of reading them from ``images_dir``, which then needs only the pagemaps and
+        the pages that are not lazy. The caller closes its copy of the fd once this returns.
         """
         self.require()
         listening = images_dir / "lazy-pages.socket"
@@ -254,10 +258,16 @@ class Criu:
                 "--log-file",
                 str(log_path),
                 "-v4",
+                *(
+                    ["--page-server", "--ps-socket", str(page_server_fd)]
+                    if page_server_fd is not None
+                    else []
+                ),
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            pass_fds=() if page_server_fd is None else (page_server_fd,),
         )
         deadline = time.monotonic() + timeout
         while not listening.exists():

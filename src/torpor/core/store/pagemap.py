@@ -32,6 +32,8 @@ class PageRun:
     vaddr: int
     nr_pages: int
     offset: int
+    #: PE_* flags: PE_LAZY marks pages ``criu lazy-pages`` serves (restore itself reads the others)
+    flags: int = PE_PRESENT
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def read_pagemap(path: Path) -> Pagemap:
             flags = 0 if entry.get(3) else PE_PRESENT
         if not isinstance(flags, int) or not flags & PE_PRESENT:
             continue
-        runs.append(PageRun(vaddr, nr_pages, offset))
+        runs.append(PageRun(vaddr, nr_pages, offset, flags))
         offset += nr_pages * PAGE_SIZE
     return Pagemap(pages_id, tuple(runs))
 
