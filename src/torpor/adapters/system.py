@@ -1,7 +1,7 @@
 """The running system as torpor sees it: processes in /proc, PID namespaces, kernel features.
 
-Also the two raw system calls the launcher needs that Python 3.11 lacks: ``unshare(CLONE_NEWPID)`` and
-``prctl(PR_SET_CHILD_SUBREAPER)``.
+Also the raw system calls Python 3.11 lacks: ``unshare(CLONE_NEWPID)`` and ``prctl(PR_SET_CHILD_SUBREAPER)``
+for the launcher, ``sync_file_range`` and ``syncfs`` for the store's folder backend.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 CLONE_NEWPID = 0x20000000
 PR_SET_CHILD_SUBREAPER = 36
+SYNC_FILE_RANGE_WRITE = 2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -40,6 +41,24 @@ def unmount(path: Path) -> None:
     """Lazily unmount ``path`` if something is mounted there (nothing happens otherwise)."""
     if os.path.ismount(path):
         _check(_libc.umount2(os.fsencode(path), 2), f"umount {path}")  # MNT_DETACH
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing ``fd``'s dirty pages to its disk now, without waiting (``sync_file_range``).
+
+    A later :func:`syncfs` then finds most of the data already written. Best effort: does nothing where
+    the call is missing or refused (e.g. on tmpfs it has nothing to do).
+    """
+    _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
+
+
+def syncfs(path: Path) -> None:
+    """Make everything written to the file system holding ``path`` durable (one journal commit)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _check(_libc.syncfs(fd), f"syncfs {path}")
+    finally:
+        os.close(fd)
 
 
 def become_subreaper() -> None:

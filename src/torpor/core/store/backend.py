@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from torpor.adapters import system
 from torpor.errors import ObjectNotFound, StorageFull, StoreError, UsageError
 
 
@@ -72,16 +73,19 @@ def _error(exc: OSError, what: str) -> StoreError:
 
 
 class FolderBackend:
-    """Objects as files under ``root``, written the borgstore way: temp file, fsync, rename.
+    """Objects as files under ``root``, written the borgstore way: temp file, then rename.
 
-    Renames are made durable by :meth:`sync`, which fsyncs each folder that gained an entry — one fsync
-    per folder rather than one per object keeps thousands of chunks cheap.
+    Each object's data starts on its way to the disk as soon as it is written (``sync_file_range``), and
+    :meth:`sync` makes everything stored so far durable with one ``syncfs`` of the file system: one
+    journal commit for a thousand chunks instead of a thousand fsyncs, which cost more than the writing
+    itself here. Where ``syncfs`` fails, :meth:`sync` fsyncs each object and each folder that gained one.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"
-        self._dirty: set[Path] = set()
+        self._dirty: set[Path] = set()  # folders that gained or lost an entry since the last sync
+        self._unsynced: set[Path] = set()  # objects stored since the last sync
         self._lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
@@ -109,7 +113,7 @@ class FolderBackend:
                     view = memoryview(part)
                     while view:
                         view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                system.start_writeback(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
@@ -118,6 +122,7 @@ class FolderBackend:
             raise _error(exc, f"cannot write {name} in {self.root}") from exc
         with self._lock:
             self._dirty.add(path.parent)
+            self._unsynced.add(path)
 
     def load(self, name: str) -> bytes:
         try:
@@ -150,15 +155,25 @@ class FolderBackend:
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
-        for folder in sorted(dirty):
+            unsynced, self._unsynced = self._unsynced, set()
+        if not dirty and not unsynced:
+            return
+        try:
+            system.syncfs(self.root)
+            return
+        except OSError:
+            pass  # e.g. a file system without syncfs: one fsync per object, then per folder
+        for path in [*sorted(unsynced), *sorted(dirty)]:
             try:
-                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                continue
+                continue  # deleted since (gc, or a retention that raced us): nothing to keep
             except OSError as exc:
-                raise _error(exc, f"cannot sync {folder}") from exc
+                raise _error(exc, f"cannot sync {path}") from exc
             try:
                 os.fsync(fd)
+            except OSError as exc:
+                raise _error(exc, f"cannot sync {path}") from exc
             finally:
                 os.close(fd)
 
