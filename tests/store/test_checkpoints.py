@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,34 @@ def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, 
     assert "Traceback" not in result.stderr
     assert f"torpor: error: checkpoint {checkpoint} is damaged" in result.stderr
     assert torpor.job("f")["state"] == "hibernated"
+
+
+def test_a_flipped_byte_in_raw_memory_stops_the_restored_job_before_it_runs(
+    torpor: Torpor, hot: Path
+) -> None:
+    """Random memory is stored uncompressed: only the hash check, run while CRIU reads, catches it."""
+    job = str(Path(__file__).parent / "jobs" / "memory_check.py")
+    torpor.run("run", "--name", "g", "--", sys.executable, "-u", job, "32")
+    torpor.wait_log("g", "digest")
+    torpor.run("hibernate", "g", "--wait")
+    checkpoint = torpor.json("checkpoints", "g")[0]["id"]
+    drop_hot_copies(hot)
+    repo = Repository(FolderBackend(torpor.home / "images"))
+    pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
+    sizes = {c: n for _, n, c in pages.extents if c}
+    path = torpor.home / "images" / chunk_name(max(sizes, key=lambda c: sizes[c]))
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0x10
+    path.write_bytes(bytes(blob))
+    log = torpor.home / "jobs" / "g" / "output.log"
+    before = log.read_bytes()
+    result = torpor.run("resume", "g", check=False)
+    assert result.returncode == 6, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"torpor: error: checkpoint {checkpoint} is damaged: pages-" in result.stderr
+    assert torpor.job("g")["state"] == "hibernated"
+    time.sleep(1.5)  # the job prints every second: had it run for a moment, its log would have grown
+    assert log.read_bytes() == before
 
 
 def test_several_jobs_checkpointed_at_once_while_gc_runs(torpor: Torpor, hot: Path) -> None:

@@ -174,16 +174,36 @@ def test_a_flipped_byte_is_refused_and_the_newest_good_checkpoint_named(settings
     assert "newest intact checkpoint of this job is c1" in caught.value.message
 
 
-def test_a_corrupt_hot_copy_is_refused(settings: Settings) -> None:
+def test_a_corrupt_hot_copy_is_refused_then_dropped_for_the_stores_copy(settings: Settings) -> None:
     store = TieredStore(settings)
-    store.put("c1", "job", _stage(store, "c1", os.urandom(MiB)), {})
+    data = os.urandom(MiB)
+    store.put("c1", "job", _stage(store, "c1", data), {})
     store.wait_durable("c1", timeout=60)
     pages = store.hot.image_dir("c1") / "pages-1.img"
     blob = bytearray(pages.read_bytes())
     blob[7] ^= 1
     pages.write_bytes(bytes(blob))
-    with pytest.raises(CorruptImage, match="hot tier"):
+    with pytest.raises(CorruptImage, match=r"hot tier .*restore again"):
         store.get("c1", store.restore_dir("c1"))
+    assert store.hot.record("c1") is None
+    dest = store.restore_dir("c1")
+    store.get("c1", dest)  # from the cold tier, intact
+    assert (dest / "pages-1.img").read_bytes() == data
+
+
+def test_fetch_leaves_only_the_pages_to_its_check(settings: Settings) -> None:
+    store = TieredStore(settings)
+    store.put("c1", "job", _stage(store, "c1", os.urandom(MiB)), {})
+    store.wait_durable("c1", timeout=60)
+    store.hot.remove("c1")
+    pages = next(e for e in store.repo.manifest("c1").files if e.name == "pages-1.img")
+    chunk = settings.images_dir / chunk_name(str(pages.extents[0][2]))
+    blob = bytearray(chunk.read_bytes())
+    blob[-1] ^= 1  # stored raw (random data does not compress): the payload's last byte
+    chunk.write_bytes(bytes(blob))
+    check = store.fetch("c1", store.restore_dir("c1"))  # the pages' chunks are not hashed yet
+    with pytest.raises(CorruptImage, match="damaged"):
+        check()
 
 
 def test_the_destager_removes_what_dead_dumps_left_behind(settings: Settings) -> None:

@@ -8,6 +8,7 @@ engine only says *what* to dump and where.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -84,6 +85,64 @@ def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
     return unique[-limit:]
 
 
+#: CRIU runs this at each step of a restore. At ``post-restore`` every task of the tree is back, memory
+#: included, and none runs yet: it waits there for the verdict file, and a verdict other than
+#: ``verified`` (or the death of the process that was to write it) makes CRIU kill the tree and fail.
+GATE_SCRIPT = """#!/bin/sh
+# torpor: hold a restored tree until its image is verified (written by torpor; see adapters/criu.py)
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+while [ ! -e "$TORPOR_GATE_VERDICT" ]; do
+    kill -0 "$TORPOR_GATE_PID" 2>/dev/null || [ -e "$TORPOR_GATE_VERDICT" ] || exit 1
+    sleep 0.005
+done
+read -r verdict < "$TORPOR_GATE_VERDICT"
+[ "$verdict" = verified ]
+"""
+
+
+@dataclass(frozen=True)
+class RestoreGate:
+    """Lets CRIU restore a tree while its image is still being verified (by process ``writer_pid``).
+
+    The writer calls :meth:`open` when the verification passed and :meth:`shut` when it failed; CRIU
+    reads memory in parallel and lets the tree run only after ``open``.
+    """
+
+    script: Path
+    verdict: Path
+    writer_pid: int
+
+    @staticmethod
+    def install(script: Path) -> Path:
+        """Write :data:`GATE_SCRIPT` to ``script`` (an executable file), unless it is there already."""
+        if not script.is_file() or script.read_text() != GATE_SCRIPT:
+            tmp = script.with_name(f".{script.name}.{os.getpid()}.tmp")
+            tmp.write_text(GATE_SCRIPT)
+            tmp.chmod(0o755)
+            os.replace(tmp, script)
+        return script
+
+    def env(self) -> dict[str, str]:
+        return {"TORPOR_GATE_VERDICT": str(self.verdict), "TORPOR_GATE_PID": str(self.writer_pid)}
+
+    def _say(self, text: str) -> None:
+        tmp = self.verdict.with_name(f".{self.verdict.name}.tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
+
+    def open(self) -> None:
+        self._say("verified")
+
+    def shut(self, why: str) -> None:
+        self._say("refused: " + why.replace("\n", " "))
+
+    def verdict_text(self) -> str:
+        try:
+            return self.verdict.read_text().strip() or "no verdict"
+        except OSError:
+            return "no verdict: the verifying process is gone"
+
+
 class Criu:
     """A criu binary, checked to be new enough before it is used."""
 
@@ -104,6 +163,7 @@ class Criu:
         timeout: float = 60,
         abandon_if: Callable[[], bool] | None = None,
         abandon_after: float = 10.0,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run criu; kill it if it outlives ``timeout``, or if ``abandon_if()`` stays true ``abandon_after`` s.
 
@@ -116,6 +176,7 @@ class Criu:
                 stderr=subprocess.PIPE,
                 text=True,
                 stdin=subprocess.DEVNULL,
+                env=None if env is None else {**os.environ, **env},
             )
         except FileNotFoundError as exc:
             raise CriuUnavailable(f"criu not found at {self.path}: run 'make setup'") from exc
@@ -290,11 +351,13 @@ class Criu:
         *,
         extra: tuple[str, ...] = (),
         lazy: bool = False,
+        gate: RestoreGate | None = None,
     ) -> int:
         """Restore a tree detached (``-d``) and return its root's pid.
 
         The restored root is re-parented to the nearest subreaper above criu: the caller's launcher.
         ``lazy``: memory comes from a running :meth:`start_lazy_pages` on the same folder.
+        ``gate``: the tree is restored in full but not let run until the gate's verdict says so.
         """
         self.require()
         args = [
@@ -309,9 +372,10 @@ class Criu:
             str(pidfile),
             *COMMON_OPTIONS,
             *(["--lazy-pages"] if lazy else []),
+            *(["--action-script", str(gate.script)] if gate else []),
             *extra,
         ]
-        out = self._run(args, timeout=6 * 3600)
+        out = self._run(args, timeout=6 * 3600, env=gate.env() if gate else None)
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             message = f"criu restore failed (exit status {out.returncode})"
@@ -320,6 +384,8 @@ class Criu:
                     ": a TCP port the job used is still taken (after a kill the kernel holds it up to 60 s"
                     " in TIME_WAIT, or another process has it); retry later"
                 )
+            if gate is not None and any("post-restore script" in line for line in details):
+                message += f": the image did not pass its verification ({gate.verdict_text()})"
             raise RestoreFailed(message, details=details)
         try:
             return int(pidfile.read_text().strip())

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu, open_files, unix_socket_paths
+from torpor.adapters.criu import Criu, RestoreGate, open_files, unix_socket_paths
 from torpor.core import control
 from torpor.core.records import (
     LIVE_STATES,
@@ -52,12 +52,13 @@ from torpor.core.records import (
     JobState,
     Records,
 )
-from torpor.core.store import GcResult, ImageStore, StoredImage, open_store
+from torpor.core.store import Check, GcResult, ImageStore, StoredImage, open_store
 from torpor.errors import (
     CheckpointNotFound,
     EnvironmentProblem,
     JobExited,
     RestoreFailed,
+    StoreError,
     TorporError,
     UsageError,
     WrongState,
@@ -100,6 +101,10 @@ class Context:
     @cached_property
     def criu(self) -> Criu:
         return Criu(self.settings.criu)
+
+    def restore_gate(self, verdict: Path, writer_pid: int) -> RestoreGate:
+        script = RestoreGate.install(self.settings.run_dir / "restore-gate.sh")
+        return RestoreGate(script, verdict, writer_pid)
 
     def criu_log(self, job: str, action: str, checkpoint_id: str) -> Path:
         folder = self.settings.job_dir(job) / "criu"
@@ -260,12 +265,18 @@ def _restore_after_failed_hibernation(
 
 
 def restore_into_launcher(
-    ctx: Context, job: Job, image_dir: Path, checkpoint_id: str, lazy: bool = False
+    ctx: Context,
+    job: Job,
+    image_dir: Path,
+    checkpoint_id: str,
+    lazy: bool = False,
+    gate: RestoreGate | None = None,
 ) -> int:
     """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
 
     ``lazy``: the job starts before its memory is in; ``criu lazy-pages`` serves it from ``image_dir``,
-    which is deleted once that daemon is done.
+    which is deleted once that daemon is done. ``gate``: the image's pages are still being verified;
+    CRIU restores the tree meanwhile and lets it run only on a good verdict.
     """
     daemon = None
     try:
@@ -277,6 +288,7 @@ def restore_into_launcher(
             image_dir / "restored.pid",
             extra=ctx.settings.criu_extra,
             lazy=lazy,
+            gate=gate,
         )
         ctx.gpu.after_restore(system.namespace_members(pid))
     except BaseException:
@@ -574,7 +586,11 @@ class Engine:
             progress(
                 f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
             )
-            self.ctx.store.get(checkpoint.id, image_dir)
+            if lazy:  # the job runs before CRIU has read its memory: verify it all first
+                self.ctx.store.get(checkpoint.id, image_dir)
+                check = None
+            else:
+                check = self.ctx.store.fetch(checkpoint.id, image_dir)
             rewound = rewind_written_files(image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id)
             if rewound:
                 progress(
@@ -584,8 +600,13 @@ class Engine:
             recreated = recreate_socket_folders(image_dir)
             if recreated:
                 progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
-            progress("restoring with criu")
-            launcher.release({"image_dir": str(image_dir), "checkpoint_id": checkpoint.id, "lazy": lazy})
+            spec = {"image_dir": str(image_dir), "checkpoint_id": checkpoint.id, "lazy": lazy}
+            if check is None:
+                progress("restoring with criu")
+                launcher.release(spec)
+            else:
+                progress("restoring with criu; the job runs once its memory pages are verified")
+                self._release_gated(launcher, spec, image_dir, check)
         except TorporError as exc:
             if launcher is not None:
                 launcher.abort()
@@ -599,6 +620,39 @@ class Engine:
                 details=exc.details,
             ) from exc
         return self.records.job(name), checkpoint, time.monotonic() - started
+
+    def _release_gated(
+        self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, check: Check
+    ) -> None:
+        """Let the launcher restore while this process runs ``check``; the job runs only if it passes.
+
+        CRIU reads the pages while they are verified (two cores at work instead of one after the
+        other) and holds the restored tree at its post-restore step until the verdict (RestoreGate).
+        """
+        gate = self.ctx.restore_gate(image_dir / ".torpor-verdict", os.getpid())
+        failed: list[TorporError] = []
+
+        def verify() -> None:
+            try:
+                check()
+            except TorporError as exc:
+                failed.append(exc)
+                gate.shut(exc.message)
+            except BaseException as exc:  # whatever went wrong, unverified memory must not run
+                failed.append(StoreError(f"verifying the image failed: {exc}"))
+                gate.shut(str(exc))
+                raise
+            else:
+                gate.open()
+
+        verifier = threading.Thread(target=verify, name="verify", daemon=True)
+        verifier.start()
+        try:
+            launcher.release({**spec, "gate": str(gate.verdict), "gate_pid": os.getpid()})
+        finally:
+            verifier.join()
+            if failed:  # the image's own error says more than "criu restore failed"
+                raise failed[0]
 
     # -- stop and remove --------------------------------------------------------------------------------
 

@@ -40,9 +40,13 @@ class LaunchSpec:
     settings_dict: dict[str, Any]  # the CLI's whole Settings (Settings.to_dict)
     job: str
     mode: str  # "start" or "restore"
-    image_dir: str | None = None  # restore: a verified image folder the launcher consumes
+    image_dir: str | None = None  # restore: the image folder (verified but for a gate) it consumes
     checkpoint_id: str | None = None  # restore: which checkpoint the image is
     lazy: bool = False  # restore: start the job before its memory is in (CRIU lazy pages)
+    #: restore: the image's pages are still being verified by process ``gate_pid``, which writes its
+    #: verdict to the file ``gate``; the restored job runs only once it says so (criu.RestoreGate)
+    gate: str | None = None
+    gate_pid: int | None = None
 
     def settings(self) -> Settings:
         return Settings.from_dict(self.settings_dict)
@@ -113,7 +117,14 @@ class Launcher:
     def restore_job(self) -> int:
         assert self.spec.image_dir and self.spec.checkpoint_id
         return engine.restore_into_launcher(
-            self.ctx, self.job, Path(self.spec.image_dir), self.spec.checkpoint_id, lazy=self.spec.lazy
+            self.ctx,
+            self.job,
+            Path(self.spec.image_dir),
+            self.spec.checkpoint_id,
+            lazy=self.spec.lazy,
+            gate=self.ctx.restore_gate(Path(self.spec.gate), self.spec.gate_pid)
+            if self.spec.gate and self.spec.gate_pid
+            else None,
         )
 
     # -- serving ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ knows how images are kept. Modules, bottom up (one activity each, as in borg/bor
 
 from __future__ import annotations
 
-from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, ImageStore, StoredImage
+from torpor.core.store.base import DESTAGING, DURABLE, STAGED, Check, GcResult, ImageStore, StoredImage
 from torpor.core.store.hot import HotTier
 from torpor.core.store.tiered import TieredStore
 from torpor.settings import Settings
@@ -25,6 +25,7 @@ __all__ = [
     "DESTAGING",
     "DURABLE",
     "STAGED",
+    "Check",
     "GcResult",
     "ImageStore",
     "StoredImage",

@@ -15,6 +15,15 @@ DESTAGING = "destaging"
 DURABLE = "durable"
 
 
+#: verifies what :meth:`ImageStore.fetch` left unverified; raises CorruptImage
+Check = Callable[[], None]
+
+
+def is_bulk(name: str) -> bool:
+    """Whether an image file holds memory pages: nearly all of an image's bytes, read by CRIU alone."""
+    return name.startswith("pages-") and name.endswith(".img")
+
+
 @dataclass(frozen=True)
 class StoredImage:
     checkpoint_id: str
@@ -75,6 +84,13 @@ class ImageStore(Protocol):
 
         Raises :class:`~torpor.errors.CorruptImage` on a mismatch and
         :class:`~torpor.errors.CheckpointNotFound` if there is no such image.
+        """
+
+    def fetch(self, checkpoint_id: str, dest: Path) -> Check:
+        """:meth:`get`, except that the memory pages are verified by the check it returns.
+
+        Everything else is verified when it returns. A restore runs the check while CRIU reads the
+        pages and lets the job run only once it passed.
         """
 
     def state(self, checkpoint_id: str) -> StoredImage:

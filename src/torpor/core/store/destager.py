@@ -1,7 +1,8 @@
 """The destager: a detached process that moves staged images from the hot tier into the cold tier.
 
-``put`` starts one after every checkpoint (and ``wait_durable`` starts one if none runs), so it survives
-the CLI and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
+A checkpoint starts one as its dump begins — it waits for the dump, so that its start-up is not on
+the way to durable — and ``put`` starts another (``wait_durable`` too, if none runs); it survives the CLI
+and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
 newly started one waits for it, then looks again — so no staged image is ever left behind by a race.
 
 Crash recovery is the normal path: a destager killed mid-way leaves its image staged in the hot tier and
@@ -24,6 +25,9 @@ from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
 from torpor.settings import Settings
 
+#: how long a destager waits for a dump in progress before it leaves the image to the one ``put`` starts
+LINGER_S = 30.0
+
 
 def _log(text: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} destager {os.getpid()}: {text}", flush=True)
@@ -33,7 +37,6 @@ def destage(store: TieredStore, record: HotRecord) -> None:
     hot, repo = store.hot, store.repo
     total = record.size
     hot.update(record.id, state=DESTAGING, done_bytes=0, error=None)
-    hot.hash_files(record.id)  # for restores from RAM to verify against
     started = time.monotonic()
     if repo.has(record.id):  # stored before a crash, only the hot record was not updated
         manifest = repo.manifest(record.id)
@@ -84,9 +87,14 @@ def run(store: TieredStore) -> int:
             _log(f"removing leftover {leftover.name}")
             shutil.rmtree(leftover, ignore_errors=True)
         failed: set[str] = set()
+        # waiting for a dump longer than this is not worth a process: ``put`` starts another destager
+        linger_until = time.monotonic() + LINGER_S
         while True:
             pending = [r for r in store.hot.records() if r.state != DURABLE and r.id not in failed]
             if not pending:
+                if time.monotonic() < linger_until and store.hot.dumps_in_progress():
+                    time.sleep(0.02)  # started by a checkpoint whose dump is still being written
+                    continue
                 break
             record = pending[0]
             try:

@@ -8,11 +8,12 @@ Layout under the hot folder::
     destager.lock           held (flock) by the running destager
     destager.log            what the destager did
 
-The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and BLAKE3
-hash (a hot image is verified when read back like any other; the hashes are taken by the destager or by
-the first restore, whichever comes first, so that ``put`` costs only a rename), and its state: ``staged`` (waiting for the
-destager), ``destaging`` (with bytes done), ``durable`` (a manifest is in the cold tier; the hot copy is
-only a cache now and is dropped oldest first when the tier is over capacity).
+The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and, once
+taken, BLAKE3 hash, and its state: ``staged`` (waiting for the destager), ``destaging`` (with bytes done),
+``durable`` (a manifest is in the cold tier; the hot copy is only a cache now and is dropped oldest first
+when the tier is over capacity). A hot image is verified when read back like any other: once durable,
+against its manifest's chunk hashes (the destager's one pass over the image both stores and hashes it);
+before that, against file hashes taken by the first restore — so that ``put`` costs only a rename.
 """
 
 from __future__ import annotations
@@ -164,14 +165,25 @@ class HotTier:
             return None if exc.errno == 28 else _raise(exc, self.root)
         return partial
 
+    def dumps_in_progress(self) -> bool:
+        """Whether a process that is alive (its ``.owner`` says so) is dumping into this tier now."""
+        if not self.root.is_dir():
+            return False
+        for entry in self.root.iterdir():
+            if entry.name.endswith(".partial"):
+                with contextlib.suppress(OSError, ValueError):
+                    if system.is_alive(int((entry / OWNER).read_text())):
+                        return True
+        return False
+
     def owns(self, image_dir: Path) -> bool:
         return image_dir.parent == self.root and image_dir.name.endswith(".partial")
 
     def commit(self, checkpoint_id: str, job: str, partial: Path, meta: dict[str, Any]) -> HotRecord:
         """Make the dumped image visible (rename: all or nothing).
 
-        Its files are hashed later, by the destager or by the first restore (:meth:`hash_files`), so that
-        the checkpoint returns as soon as the dump is done.
+        Its files are hashed later, by the destager (chunk by chunk, into the manifest) or by the first
+        restore (:meth:`hash_files`), so that the checkpoint returns as soon as the dump is done.
         """
         final = self._dir(checkpoint_id)
         files: dict[str, list[Any]] = {}
@@ -321,18 +333,19 @@ class HotTier:
         self.ensure()
         return self.root / f"restore-{self._dir(checkpoint_id).name}-{uuid.uuid4().hex[:6]}"
 
-    def copy_out(self, checkpoint_id: str, dest: Path) -> bool:
-        """Link (or copy) a hot image into ``dest``, verifying every file; False if there is none."""
-        try:
-            record = self.hash_files(checkpoint_id)  # a no-op once the destager has hashed them
-        except FileNotFoundError:
-            return False
+    def link_out(self, checkpoint_id: str, dest: Path) -> HotRecord | None:
+        """Link (or copy) a hot image's files into ``dest``, unverified; ``None`` if there is none.
+
+        The caller verifies them (:class:`~torpor.core.store.tiered.TieredStore`), against the
+        manifest once the image is durable, else against the hashes of :meth:`hash_files`.
+        """
+        record = self.record(checkpoint_id)
         if record is None:
-            return False
+            return None
         source = self._dir(checkpoint_id)
         dest.mkdir(parents=True, exist_ok=True)
         try:
-            for name, (size, digest) in record.files.items():
+            for name, (size, _digest) in record.files.items():
                 if not safe_file_name(name) or name.startswith("."):
                     raise CorruptImage(
                         f"checkpoint {checkpoint_id}: its hot record names a bad file {name!r}"
@@ -344,16 +357,16 @@ class HotTier:
                     if exc.errno == 2:
                         raise
                     shutil.copyfile(source / name, target)
-                if target.stat().st_size != size or hash_file(target) != digest:
+                if target.stat().st_size != size:
                     raise CorruptImage(
-                        f"checkpoint {checkpoint_id} is corrupt in the hot tier: {name} does not match its hash"
+                        f"checkpoint {checkpoint_id} is corrupt in the hot tier: {name} has the wrong size"
                     )
         except FileNotFoundError:
             # dropped from the hot tier while we read it (it was durable): the caller reads the cold copy
             for child in dest.iterdir():
                 child.unlink(missing_ok=True)
-            return False
-        return True
+            return None
+        return record
 
     # -- recovery -----------------------------------------------------------------------------------
 

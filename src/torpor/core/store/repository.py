@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,22 +282,32 @@ class Repository:
         self.open()
         return self.backend.exists(f"manifests/{checkpoint_id}")
 
-    def read(self, checkpoint_id: str, dest: Path, progress: ProgressFn = _no_progress) -> Manifest:
-        """Rebuild checkpoint ``checkpoint_id`` in ``dest``, fetching and verifying chunks in parallel."""
+    def read(
+        self,
+        checkpoint_id: str,
+        dest: Path,
+        progress: ProgressFn = _no_progress,
+        defer: Callable[[str], bool] = lambda _: False,
+    ) -> Manifest:
+        """Rebuild checkpoint ``checkpoint_id`` in ``dest``, fetching and verifying chunks in parallel.
+
+        The chunks of files ``defer`` names are written unverified: the caller must run
+        :func:`verify_extents` on those files before it trusts them.
+        """
         manifest = self.manifest(checkpoint_id)
         dest.mkdir(parents=True, exist_ok=True)
         total = manifest.size
         done = [0]
         guard = threading.Lock()
 
-        def one(fd: int, offset: int, length: int, chunk: str) -> None:
+        def one(fd: int, offset: int, length: int, chunk: str, verify: bool) -> None:
             what = f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
             try:
                 blob = self.backend.load(chunk_name(chunk))
             except ObjectNotFound as exc:
                 raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
             try:
-                data = self.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk))
+                data = self.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk), verify=verify)
             except CorruptImage as exc:
                 raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {exc.message}") from exc
             if len(data) != length:
@@ -316,11 +326,12 @@ class Repository:
                     fd = os.open(dest / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                     fds.append(fd)
                     os.ftruncate(fd, entry.size)  # zero extents stay holes
+                    verify = not defer(entry.name)
                     for offset, length, chunk in entry.extents:
                         if chunk is None:
                             done[0] += length
                         else:
-                            futures.append(pool.submit(one, fd, offset, length, chunk))
+                            futures.append(pool.submit(one, fd, offset, length, chunk, verify))
                 try:
                     last = 0.0
                     for future in futures:
@@ -397,6 +408,67 @@ class Repository:
     def close(self) -> None:
         with contextlib.suppress(StoreError):
             self.backend.close()
+
+
+def verify_extents(
+    codec: Codec,
+    folder: Path,
+    entries: Iterable[FileEntry],
+    checkpoint_id: str,
+    workers: int = 4,
+    zeros: bool = True,
+) -> None:
+    """Check files of ``folder`` against their manifest entries, extent by extent, in parallel.
+
+    Raises :class:`~torpor.errors.CorruptImage` naming the first file and offset that does not match
+    (a chunk's hash, or zeros where the manifest says zeros; ``zeros=False`` skips those, for files
+    :meth:`Repository.read` wrote, where they are holes it made).
+    """
+    zero = bytes(DEFAULT_CHUNK_SIZE)
+
+    def one(view: memoryview, name: str, offset: int, length: int, chunk: ChunkId | None) -> None:
+        data = view[offset : offset + length]
+        if chunk is None:  # merged zero extents can be gigabytes: compare piece by piece
+            good = all(
+                data[at : at + len(zero)] == zero[: min(len(zero), length - at)]
+                for at in range(0, length, len(zero))
+            )
+        else:
+            good = len(data) == length and codec.digest(data) == bytes.fromhex(chunk)
+        if not good:
+            raise CorruptImage(
+                f"checkpoint {checkpoint_id} is damaged: {name} at offset {offset} does not match its hash"
+            )
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
+        for entry in entries:
+            try:
+                if (folder / entry.name).stat().st_size != entry.size:
+                    raise CorruptImage(
+                        f"checkpoint {checkpoint_id} is damaged: {entry.name} has the wrong size"
+                    )
+                mapping = _map(folder / entry.name, entry.size)
+            except OSError as exc:
+                raise CorruptImage(
+                    f"checkpoint {checkpoint_id}: cannot read {entry.name} to verify it ({exc.strerror})"
+                ) from exc
+            view = memoryview(mapping)
+            futures = [
+                pool.submit(one, view, entry.name, *extent)
+                for extent in entry.extents
+                if zeros or extent[2] is not None
+            ]
+            try:
+                for future in futures:
+                    future.result()
+            finally:
+                for future in futures:
+                    future.cancel()
+                wait(futures)
+                if isinstance(mapping, mmap.mmap):
+                    with contextlib.suppress(BufferError):
+                        view.release()
+                        mapping.close()
 
 
 def _map(path: Path, size: int) -> mmap.mmap | bytes:

@@ -6,8 +6,9 @@ folder, so the job is back to work as soon as the dump ends. A detached destager
 marks it durable. A dump that would not fit in the hot tier goes to a folder on disk and ``put`` stores
 it into the cold tier at once.
 
-``get`` prefers the hot copy (verified file by file) and otherwise rebuilds the image from the cold tier
-(verified chunk by chunk).
+``get`` prefers the hot copy (linked, not copied) and otherwise rebuilds the image from the cold tier;
+either way every byte is checked against its hash. ``fetch`` does the same but leaves the memory pages
+to a check that the restore runs while CRIU already reads them (see ``restore_into_launcher``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from torpor.core.store.backend import open_backend
-from torpor.core.store.base import DESTAGING, DURABLE, STAGED, GcResult, StoredImage
-from torpor.core.store.hot import OWNER, HotRecord, HotTier, owner_alive
+from torpor.core.store.base import DESTAGING, DURABLE, STAGED, Check, GcResult, StoredImage, is_bulk
+from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_alive
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.repository import Repository, chunk_name, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
 from torpor.settings import Settings
 
@@ -37,6 +38,10 @@ LOCK_FILE = "destager.lock"
 LOG_FILE = "destager.log"
 
 _children: list[subprocess.Popen[bytes]] = []
+
+
+class _HotCopyCorrupt(CorruptImage):
+    """The hot copy of a durable image is damaged (and was dropped); the checkpoint itself is fine."""
 
 
 class TieredStore:
@@ -64,6 +69,7 @@ class TieredStore:
     def staging_dir(self, checkpoint_id: str, size_hint: int | None = None) -> Path:
         hot = self.hot.staging_dir(checkpoint_id, size_hint)
         if hot is not None:
+            self.kick()  # a destager starting now is ready when the dump ends
             return hot
         partial = self.cold_staging / f"{checkpoint_id}.partial"
         try:
@@ -155,34 +161,115 @@ class TieredStore:
         return self.hot.restore_dir(checkpoint_id)
 
     def get(self, checkpoint_id: str, dest: Path) -> None:
+        self.fetch(checkpoint_id, dest)()
+
+    def fetch(self, checkpoint_id: str, dest: Path) -> Check:
+        """Write the image into ``dest``; every file but the memory pages is verified on return.
+
+        The pages (nearly all of the bytes) are verified by the returned check, which a restore runs
+        while CRIU already reads them and which must pass before the job runs again.
+        """
         try:
-            if self.hot.copy_out(checkpoint_id, dest):
-                return
+            check = self._fetch_hot(checkpoint_id, dest)
         except OSError as exc:
             raise StoreError(
                 f"cannot copy checkpoint {checkpoint_id} from the hot tier into {dest}: {exc.strerror or exc}"
             ) from exc
+        if check is None:
+            try:
+                check = self._fetch_cold(checkpoint_id, dest)
+            except CheckpointNotFound as exc:
+                raise CheckpointNotFound(
+                    f"checkpoint {checkpoint_id} has no image: it is not in the hot tier {self.hot.root} nor "
+                    f"in the store {self.repo.backend.url} (a checkpoint that was not yet durable is lost "
+                    "when the machine restarts)"
+                ) from exc
+            except CorruptImage as exc:
+                raise self._with_hint(exc, checkpoint_id) from exc
+
+        def hinted() -> None:
+            try:
+                check()
+            except _HotCopyCorrupt:
+                raise
+            except CorruptImage as exc:
+                raise self._with_hint(exc, checkpoint_id) from exc
+
+        return hinted
+
+    def _fetch_hot(self, checkpoint_id: str, dest: Path) -> Check | None:
+        record = self.hot.record(checkpoint_id)
+        if record is None:
+            return None
+        manifest = None
+        if record.state == DURABLE:
+            with contextlib.suppress(StoreError):
+                manifest = self.repo.manifest(checkpoint_id)
+        hashed_now = False
         try:
-            self.repo.read(checkpoint_id, dest)
-        except CheckpointNotFound as exc:
-            raise CheckpointNotFound(
-                f"checkpoint {checkpoint_id} has no image: it is not in the hot tier {self.hot.root} nor in "
-                f"the store {self.repo.backend.url} (a checkpoint that was not yet durable is lost when "
-                "the machine restarts)"
-            ) from exc
-        except CorruptImage as exc:
-            good = self._newest_good(checkpoint_id)
-            hint = (
-                f"; the newest intact checkpoint of this job is {good} (torpor restore JOB --from {good})"
-                if good
-                else "; no intact older checkpoint of this job was found"
-            )
-            raise CorruptImage(exc.message + hint, details=exc.details) from exc
+            if manifest is None and not all(digest for _, digest in record.files.values()):
+                # not destaged yet, so no manifest: the first restore takes the hashes later ones check
+                record = self.hot.hash_files(checkpoint_id)
+                hashed_now = True
+            if record is None or self.hot.link_out(checkpoint_id, dest) is None:
+                return None
+        except FileNotFoundError:
+            return None  # dropped from the hot tier meanwhile (it is durable): read the cold copy
+        workers = self.settings.store_workers
+        if manifest is not None:
+            entries = {entry.name: entry for entry in manifest.files}
+            missing = sorted(set(record.files) - set(entries))
+            if missing:
+                raise CorruptImage(f"checkpoint {checkpoint_id}: its manifest lacks {', '.join(missing)}")
+            codec = self.repo.codec
+
+            def by_manifest(bulk: bool) -> None:
+                chosen = [e for name, e in entries.items() if name in record.files and is_bulk(name) == bulk]
+                try:
+                    verify_extents(codec, dest, chosen, checkpoint_id, workers)
+                except CorruptImage as exc:
+                    # the hot copy is only a cache of a durable image: drop it, the store's copy remains
+                    self.hot.remove(checkpoint_id)
+                    raise _HotCopyCorrupt(
+                        f"{exc.message} (its copy in the hot tier {self.hot.root}); that copy was dropped: "
+                        "restore again to read the checkpoint from the store"
+                    ) from exc
+
+            by_manifest(False)
+            return lambda: by_manifest(True)
+        if hashed_now:
+            return lambda: None  # hashed from these very files a moment ago
+
+        def by_hash(bulk: bool) -> None:
+            for name, (_size, digest) in record.files.items():
+                if is_bulk(name) == bulk and hash_file(dest / name) != digest:
+                    raise CorruptImage(
+                        f"checkpoint {checkpoint_id} is corrupt in the hot tier: {name} does not match its hash"
+                    )
+
+        by_hash(False)
+        return lambda: by_hash(True)
+
+    def _fetch_cold(self, checkpoint_id: str, dest: Path) -> Check:
+        manifest = self.repo.read(checkpoint_id, dest, defer=is_bulk)
+        later = [entry for entry in manifest.files if is_bulk(entry.name)]
+        codec, workers = self.repo.codec, self.settings.store_workers
+        return lambda: verify_extents(codec, dest, later, checkpoint_id, workers, zeros=False)
+
+    def _with_hint(self, exc: CorruptImage, checkpoint_id: str) -> CorruptImage:
+        good = self._newest_good(checkpoint_id)
+        hint = (
+            f"; the newest intact checkpoint of this job is {good} (torpor restore JOB --from {good})"
+            if good
+            else "; no intact older checkpoint of this job was found"
+        )
+        return CorruptImage(exc.message + hint, details=exc.details)
 
     def _newest_good(self, bad_id: str) -> str | None:
+        bad_record = self.hot.record(bad_id)
         try:
-            job = self.repo.manifest(bad_id).job
-        except StoreError:
+            job = bad_record.job if bad_record is not None else self.repo.manifest(bad_id).job
+        except (StoreError, CheckpointNotFound):
             return None
         candidates: list[tuple[float, str]] = []
         for record in self.hot.records():
@@ -197,7 +284,7 @@ class TieredStore:
                 if manifest.job == job and self.repo.intact(checkpoint_id, chunks):
                     candidates.append((manifest.created_at, checkpoint_id))
         bad_chunks = set()
-        with contextlib.suppress(StoreError):
+        with contextlib.suppress(StoreError, CheckpointNotFound):
             for chunk in set(self.repo.manifest(bad_id).chunk_ids()):
                 if not self._chunk_ok(chunk):
                     bad_chunks.add(chunk)
@@ -285,7 +372,7 @@ class TieredStore:
                 progress(image)
             if deadline is not None and time.monotonic() > deadline:
                 raise StoreError(f"checkpoint {checkpoint_id} did not become durable in {timeout:.0f} s")
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     def list(self) -> list[StoredImage]:
         images = {record.id: self.state(record.id) for record in self.hot.records()}
