@@ -201,6 +201,30 @@ def test_lazy_resume(torpor: Torpor, hot: Path) -> None:
     torpor.wait_for(lambda: not any(p.name.startswith("restore-") for p in hot.iterdir()), what="cleanup")
 
 
+def test_a_corrupt_chunk_met_by_a_lazy_resume_kills_the_job_with_the_reason(
+    torpor: Torpor, hot: Path
+) -> None:
+    job = str(Path(__file__).parent / "jobs" / "memory_check.py")
+    torpor.run("run", "--name", "z", "--", sys.executable, "-u", job, "32")
+    torpor.wait_log("z", "digest")
+    torpor.run("hibernate", "z", "--wait")
+    checkpoint = torpor.json("checkpoints", "z")[0]["id"]
+    drop_hot_copies(hot)
+    repo = Repository(FolderBackend(torpor.home / "images"))
+    pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
+    sizes = {c: n for _, n, c in pages.extents if c}
+    path = torpor.home / "images" / chunk_name(max(sizes, key=lambda c: sizes[c]))
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0x10  # in the random bytearray: lazy memory, read only through the page server
+    path.write_bytes(bytes(blob))
+    digests = torpor.log("z").count("digest")
+    torpor.run("resume", "z", "--lazy", check=False)
+    torpor.wait_for(lambda: torpor.job("z")["state"] not in ("running", "restoring"), what="the kill")
+    assert "lazy restore failed, the job was killed" in torpor.job("z")["message"]
+    assert "does not match its content hash" in torpor.job("z")["message"]
+    assert torpor.log("z").count("digest") == digests  # it never printed a digest of wrong memory
+
+
 def test_a_checkpoint_right_after_a_lazy_resume_loses_no_memory(torpor: Torpor, hot: Path) -> None:
     job = str(Path(__file__).parent / "jobs" / "memory_check.py")
     torpor.run("run", "--name", "m", "--", sys.executable, "-u", job, "1024")

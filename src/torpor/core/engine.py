@@ -23,6 +23,7 @@ the GPU stage, job → running. On failure the job goes back to the state it had
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu, RestoreGate, open_files, unix_socket_paths
+from torpor.adapters.pageserver import PageServer
 from torpor.core import control
 from torpor.core.records import (
     LIVE_STATES,
@@ -52,7 +54,7 @@ from torpor.core.records import (
     JobState,
     Records,
 )
-from torpor.core.store import Check, GcResult, ImageStore, StoredImage, open_store
+from torpor.core.store import Check, GcResult, ImageStore, PageSource, StoredImage, open_store
 from torpor.errors import (
     CheckpointNotFound,
     EnvironmentProblem,
@@ -97,6 +99,8 @@ class Context:
         self.store: ImageStore = open_store(settings)
         #: in a launcher after a lazy restore: the ``criu lazy-pages`` still bringing memory in
         self.lazy_pages: subprocess.Popen[bytes] | None = None
+        #: in a launcher: why torpor itself killed the job, for its record once it is gone
+        self.killed_because: str | None = None
 
     @cached_property
     def criu(self) -> Criu:
@@ -271,17 +275,43 @@ def restore_into_launcher(
     checkpoint_id: str,
     lazy: bool = False,
     gate: RestoreGate | None = None,
+    served: bool = False,
 ) -> int:
     """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
 
     ``lazy``: the job starts before its memory is in; ``criu lazy-pages`` serves it from ``image_dir``,
-    which is deleted once that daemon is done. ``gate``: the image's pages are still being verified;
-    CRIU restores the tree meanwhile and lets it run only on a good verdict.
+    or, when ``served``, from the store through torpor's page server (the store's ``page_source``);
+    ``image_dir`` is deleted once that daemon is done. ``gate``: the image's pages are still being
+    verified; CRIU restores the tree meanwhile and lets it run only on a good verdict.
     """
     daemon = None
+    server: PageServer | None = None
+    source: PageSource | None = None
+    restored = threading.Event()
+    root: list[int] = []
+
+    def kill_tree(exc: BaseException) -> None:
+        # memory the daemon can no longer get would read as zeros: the job must not run on
+        restored.wait(60)
+        message = exc.message if isinstance(exc, TorporError) else str(exc)
+        ctx.killed_because = f"lazy restore failed, the job was killed: {message}"
+        for pid in root:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     try:
         if lazy:
-            daemon = ctx.criu.start_lazy_pages(image_dir, ctx.criu_log(job.name, "lazy-pages", checkpoint_id))
+            log = ctx.criu_log(job.name, "lazy-pages", checkpoint_id)
+            if served:
+                source = ctx.store.page_source(checkpoint_id, image_dir)
+                server, criu_end = PageServer.pair(source.read_pages, on_failure=kill_tree)
+                server.start()
+                try:
+                    daemon = ctx.criu.start_lazy_pages(image_dir, log, page_server_fd=criu_end.fileno())
+                finally:
+                    criu_end.close()
+            else:
+                daemon = ctx.criu.start_lazy_pages(image_dir, log)
         pid = ctx.criu.restore(
             image_dir,
             ctx.criu_log(job.name, "restore", checkpoint_id),
@@ -290,11 +320,18 @@ def restore_into_launcher(
             lazy=lazy,
             gate=gate,
         )
+        root.append(pid)
+        restored.set()
         ctx.gpu.after_restore(system.namespace_members(pid))
     except BaseException:
+        restored.set()
         if daemon is not None:
             daemon.kill()
             daemon.wait()
+        if server is not None:
+            server.stop()
+        if source is not None:
+            source.close()
         shutil.rmtree(image_dir, ignore_errors=True)
         raise
     if daemon is None:
@@ -304,6 +341,11 @@ def restore_into_launcher(
 
         def clean_up() -> None:
             lazy_daemon.wait()
+            if server is not None:
+                server.wait(10)
+                server.stop()
+            if source is not None:
+                source.close()
             shutil.rmtree(image_dir, ignore_errors=True)
 
         threading.Thread(target=clean_up, name="lazy-pages", daemon=True).start()
@@ -586,9 +628,14 @@ class Engine:
             progress(
                 f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
             )
-            if lazy:  # the job runs before CRIU has read its memory: verify it all first
-                self.ctx.store.get(checkpoint.id, image_dir)
-                check = None
+            served = False
+            check: Check | None = None
+            if lazy:
+                # from the cold tier, memory comes in page by page (each chunk verified as it is
+                # fetched); an image in RAM is verified whole first, then CRIU's own daemon serves it
+                served = self.ctx.store.prepare_lazy(checkpoint.id, image_dir)
+                if not served:
+                    self.ctx.store.get(checkpoint.id, image_dir)
             else:
                 check = self.ctx.store.fetch(checkpoint.id, image_dir)
             rewound = rewind_written_files(image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id)
@@ -600,7 +647,12 @@ class Engine:
             recreated = recreate_socket_folders(image_dir)
             if recreated:
                 progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
-            spec = {"image_dir": str(image_dir), "checkpoint_id": checkpoint.id, "lazy": lazy}
+            spec = {
+                "image_dir": str(image_dir),
+                "checkpoint_id": checkpoint.id,
+                "lazy": lazy,
+                "served": served,
+            }
             if check is None:
                 progress("restoring with criu")
                 launcher.release(spec)

@@ -47,6 +47,7 @@ class LaunchSpec:
     #: verdict to the file ``gate``; the restored job runs only once it says so (criu.RestoreGate)
     gate: str | None = None
     gate_pid: int | None = None
+    served: bool = False  # lazy restore: memory comes from the store through torpor's page server
 
     def settings(self) -> Settings:
         return Settings.from_dict(self.settings_dict)
@@ -122,6 +123,7 @@ class Launcher:
             Path(self.spec.image_dir),
             self.spec.checkpoint_id,
             lazy=self.spec.lazy,
+            served=self.spec.served,
             gate=self.ctx.restore_gate(Path(self.spec.gate), self.spec.gate_pid)
             if self.spec.gate and self.spec.gate_pid
             else None,
@@ -206,6 +208,8 @@ class Launcher:
             sig = os.WTERMSIG(status)
             state, code = JobState.FAILED, 128 + sig
             message = f"killed by signal {sig} ({signal.Signals(sig).name})"
+            if self.ctx.killed_because:  # torpor killed it, e.g. a lazy restore met a damaged chunk
+                message = self.ctx.killed_because
         self.ctx.records.set_fields(self.job.name, pid=None, exit_code=code, message=message, ended_at=now)
         self.ctx.records.transition(self.job.name, set(JobState), state)
 

@@ -11,12 +11,22 @@ knows how images are kept. Modules, bottom up (one activity each, as in borg/bor
     repository.py   the cold tier: chunk, dedupe, store, verify, gc
     hot.py          the hot tier in RAM
     destager.py     the background process between the two
+    lazy.py         a checkpoint's memory served page by page, for lazy restores
     tiered.py       the ImageStore the engine uses
 """
 
 from __future__ import annotations
 
-from torpor.core.store.base import DESTAGING, DURABLE, STAGED, Check, GcResult, ImageStore, StoredImage
+from torpor.core.store.base import (
+    DESTAGING,
+    DURABLE,
+    STAGED,
+    Check,
+    GcResult,
+    ImageStore,
+    PageSource,
+    StoredImage,
+)
 from torpor.core.store.hot import HotTier
 from torpor.core.store.tiered import TieredStore
 from torpor.settings import Settings
@@ -28,6 +38,7 @@ __all__ = [
     "Check",
     "GcResult",
     "ImageStore",
+    "PageSource",
     "StoredImage",
     "TieredStore",
     "open_store",

@@ -24,6 +24,15 @@ def is_bulk(name: str) -> bool:
     return name.startswith("pages-") and name.endswith(".img")
 
 
+class PageSource(Protocol):
+    """The memory of one checkpoint, handed out page by page for a lazy restore (thread-safe)."""
+
+    def read_pages(self, pid: int, vaddr: int, nr_pages: int) -> bytes | bytearray:
+        """``nr_pages`` pages of process ``pid`` (as in the image) from ``vaddr``, every byte verified."""
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class StoredImage:
     checkpoint_id: str
@@ -92,6 +101,16 @@ class ImageStore(Protocol):
         Everything else is verified when it returns. A restore runs the check while CRIU reads the
         pages and lets the job run only once it passed.
         """
+
+    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:
+        """For a lazy restore: write into ``dest`` all that CRIU reads itself, verified; leave the rest.
+
+        True: the memory left out is to be served by :meth:`page_source`. False: nothing was written,
+        this image is best restored lazily from a whole local copy (:meth:`get`).
+        """
+
+    def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
+        """The memory :meth:`prepare_lazy` left out of ``dest``, fetched and verified on demand."""
 
     def state(self, checkpoint_id: str) -> StoredImage:
         """Where the image is now (staged, destaging, durable); CheckpointNotFound if nowhere."""

@@ -193,6 +193,12 @@ class LazyImage:
         with self._lock:
             self._processes = {process.pid: process for process in processes.values()}
 
+    def attach(self, dest: Path) -> None:
+        """Serve a restore folder that :meth:`prepare` wrote (in another process, e.g. the CLI)."""
+        processes = self._read_processes(dest)
+        with self._lock:
+            self._processes = {process.pid: process for process in processes.values()}
+
     def _read_processes(self, dest: Path) -> dict[str, _Process]:
         """The processes of the image, by the name of their pages file."""
         found: dict[str, _Process] = {}

@@ -27,8 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from torpor.core.store.backend import open_backend
-from torpor.core.store.base import DESTAGING, DURABLE, STAGED, Check, GcResult, StoredImage, is_bulk
+from torpor.core.store.base import (
+    DESTAGING,
+    DURABLE,
+    STAGED,
+    Check,
+    GcResult,
+    PageSource,
+    StoredImage,
+    is_bulk,
+)
 from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_alive
+from torpor.core.store.lazy import LazyImage
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
 from torpor.core.store.repository import Repository, chunk_name, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
@@ -196,6 +206,23 @@ class TieredStore:
                 raise self._with_hint(exc, checkpoint_id) from exc
 
         return hinted
+
+    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:
+        if self.hot.record(checkpoint_id) is not None:
+            return False  # in RAM already: CRIU's own daemon serves a linked copy fastest
+        try:
+            with LazyImage.open(self.repo, checkpoint_id) as image:
+                image.prepare(dest)
+        except CheckpointNotFound:
+            return False  # get() says what is missing, as for any restore
+        except CorruptImage as exc:
+            raise self._with_hint(exc, checkpoint_id) from exc
+        return True
+
+    def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
+        image = LazyImage.open(self.repo, checkpoint_id)
+        image.attach(dest)
+        return image
 
     def _fetch_hot(self, checkpoint_id: str, dest: Path) -> Check | None:
         record = self.hot.record(checkpoint_id)
