@@ -15,6 +15,7 @@ from pathlib import Path
 
 CLONE_NEWPID = 0x20000000
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NAME = 15
 SYNC_FILE_RANGE_WRITE = 2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -59,6 +60,11 @@ def syncfs(path: Path) -> None:
         _check(_libc.syncfs(fd), f"syncfs {path}")
     finally:
         os.close(fd)
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps -o comm`` and ``top`` show for this process (at most 15 bytes are kept)."""
+    _check(_libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0), "prctl(PR_SET_NAME)")
 
 
 def become_subreaper() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import stat
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -455,33 +457,66 @@ class Engine:
         return self._start_launcher(spec).release({})
 
     def _start_launcher(self, spec: dict[str, Any]) -> PendingLauncher:
-        """Start a detached launcher that imports and opens its state, then waits for :meth:`release`.
+        """Start a detached launcher that opens its state, then waits for :meth:`release`.
 
         A restore starts it before fetching the image, so the launcher's start-up overlaps the fetch.
+        It is forked from this process, which has imported all it needs already; a caller with other
+        threads running gets a new interpreter instead (forking a threaded process can deadlock).
         """
         spec = {"settings_dict": self.settings.to_dict(), **spec}
         log = self.settings.job_dir(spec["job"]) / "launcher.log"
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()
+        life_r, life_w = os.pipe()  # the launcher holds life_w until it exits: EOF here says it did
         try:
-            with open(log, "ab") as log_file:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "torpor.core.launcher", json.dumps(spec), str(ready_w), str(go_r)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    pass_fds=(ready_w, go_r),
-                    close_fds=True,
-                )
+            if threading.active_count() == 1:
+                self._fork_launcher(spec, log, ready_w, go_r, life_w)
+            else:
+                with open(log, "ab") as log_file:
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torpor.core.launcher",
+                            json.dumps(spec),
+                            str(ready_w),
+                            str(go_r),
+                            str(life_w),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        pass_fds=(ready_w, go_r, life_w),
+                        close_fds=True,
+                    )
         except BaseException:
-            for fd in (ready_r, go_w):
+            for fd in (ready_r, go_w, life_r):
                 os.close(fd)
             raise
         finally:
-            os.close(ready_w)
-            os.close(go_r)
-        return PendingLauncher(str(spec["job"]), process, log, ready_r, go_w)
+            for fd in (ready_w, go_r, life_w):
+                os.close(fd)
+        return PendingLauncher(str(spec["job"]), log, ready_r, go_w, life_r)
+
+    @staticmethod
+    def _fork_launcher(spec: dict[str, Any], log: Path, ready_w: int, go_r: int, life_w: int) -> None:
+        """Fork twice (the launcher is nobody's child here, so it never lingers as a zombie of ours)."""
+        from torpor.core import launcher as launcher_module
+
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        middle = os.fork()
+        if middle == 0:  # pragma: no cover - child side
+            code = 1
+            try:
+                os.setsid()
+                code = launcher_module.forked(spec, log, ready_w, go_r, life_w) if os.fork() == 0 else 0
+            except BaseException:
+                traceback.print_exc()  # into the launcher's log, once forked() redirected stderr
+            finally:
+                os._exit(code)
+        os.waitpid(middle, 0)
 
     # -- inspect ---------------------------------------------------------------------------------------
 
@@ -778,14 +813,12 @@ def _name_from_command(command: list[str]) -> str:
 class PendingLauncher:
     """A launcher that has started and waits for the rest of its spec on a pipe (or for EOF: abort)."""
 
-    def __init__(
-        self, job: str, process: subprocess.Popen[bytes], log: Path, ready_fd: int, go_fd: int
-    ) -> None:
+    def __init__(self, job: str, log: Path, ready_fd: int, go_fd: int, life_fd: int) -> None:
         self.job = job
-        self.process = process
         self.log = log
         self.ready_fd = ready_fd
         self.go_fd: int | None = go_fd
+        self.life_fd = life_fd
 
     def release(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Send the rest of the spec and wait for the launcher's report; raise its error if it failed."""
@@ -800,16 +833,14 @@ class PendingLauncher:
         with os.fdopen(self.ready_fd) as pipe:
             line = pipe.readline()
         if not line:
-            self.process.wait(timeout=60)
+            self._wait_gone()
             tail = self.log.read_text(errors="replace").splitlines()[-8:]
-            raise TorporError(
-                f"the launcher for '{self.job}' died before reporting (exit {self.process.returncode})",
-                details=tail,
-            )
+            raise TorporError(f"the launcher for '{self.job}' died before reporting", details=tail)
         report: dict[str, Any] = json.loads(line)
         if not report.get("ok"):
-            self.process.wait(timeout=60)
+            self._wait_gone()
             raise from_dict(report)
+        os.close(self.life_fd)
         return report
 
     def abort(self) -> None:
@@ -818,7 +849,16 @@ class PendingLauncher:
             os.close(self.go_fd)
             self.go_fd = None
             os.close(self.ready_fd)
-            self.process.wait(timeout=60)
+            self._wait_gone()
+
+    def _wait_gone(self, timeout: float = 60) -> None:
+        """Wait for the launcher to exit (so the next command sees what it left), at most ``timeout``."""
+        try:
+            ready, _, _ = select.select([self.life_fd], [], [], timeout)
+            if ready:
+                os.read(self.life_fd, 1)  # EOF: its end closed as it exited
+        finally:
+            os.close(self.life_fd)
 
 
 def _check_name(name: str) -> None:

@@ -113,13 +113,16 @@ class Records:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with self._connect() as db:
+            db = self._connect()
+            try:
                 db.executescript(_SCHEMA)
                 db.execute(
                     "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
                 version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+            finally:
+                db.close()  # no connection outlives an operation (a forked launcher relies on it)
         except (sqlite3.OperationalError, PermissionError, OSError) as exc:
             raise EnvironmentProblem(
                 f"cannot open torpor's state in {path.parent} ({exc}); make it writable or set TORPOR_HOME"
