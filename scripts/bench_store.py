@@ -217,6 +217,7 @@ class Bench:
         for rep in range(self.repeat):
             self.signal(name, signal.SIGUSR2)  # every chunk new
             for side in [(rep + i) % 3 for i in range(3)]:
+                settle()
                 if side == 0:
                     frozen, durable, _, _ = self.checkpoint(name)
                     freeze_t.append(frozen)
@@ -258,15 +259,18 @@ class Bench:
             self.checkpoint(name)
             self.engine.stop(name)
             launcher_gone(self, name)
+            settle(warm=[raw_dir])
             raw_t.append(self.raw_restore(raw_dir))
             shutil.rmtree(raw_dir)
+            settle()
             began = time.monotonic()
             self.engine.restore(name)
             hot_t.append(time.monotonic() - began)
             # cold: a hibernated image leaves RAM once durable, so its restore reads the cold tier
-            self.checkpoint(name, hibernate=True)
+            _, _, hibernated, _ = self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
-            wait_for(lambda: not self.hot_copies(), "the hibernated image to leave RAM", 60)
+            self.left_ram(hibernated)
+            settle(warm=self.chunk_files(hibernated))
             began = time.monotonic()
             self.engine.restore(name)
             cold_t.append(time.monotonic() - began)
@@ -286,10 +290,15 @@ class Bench:
         )
         self.engine.remove(name, force=True)
 
-    def hot_copies(self) -> list[Path]:
-        return [
-            entry for entry in self.settings.hot_path.iterdir() if entry.is_dir() and "." not in entry.name
-        ]
+    def chunk_files(self, checkpoint_id: str) -> list[Path]:
+        from torpor.core.store.repository import chunk_name
+
+        manifest = self.engine.ctx.store.repo.manifest(checkpoint_id)  # type: ignore[attr-defined]
+        return [self.settings.images_dir / chunk_name(chunk) for chunk in set(manifest.chunk_ids())]
+
+    def left_ram(self, checkpoint_id: str) -> None:
+        """Wait until a hibernated image's hot copy is gone (once durable), so a restore reads the cold tier."""
+        wait_for(lambda: not (self.settings.hot_path / checkpoint_id).exists(), "the image to leave RAM", 60)
 
     def lazy_done(self) -> bool:
         return not any(p.name.startswith("restore-") for p in self.settings.hot_path.iterdir())
@@ -309,11 +318,13 @@ class Bench:
         for _rep in range(self.repeat):
             _, _, raw_bytes, raw_dir = self.raw_dump(name)
             say(f"  raw image {raw_bytes / GIB:.2f} GiB")
-            self.checkpoint(name, hibernate=True)
+            _, _, hibernated, _ = self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
-            wait_for(lambda: not self.hot_copies(), "the hibernated image to leave RAM", 60)
+            self.left_ram(hibernated)
+            settle(warm=[raw_dir])
             raw_t.append(self.raw_restore(raw_dir, until=first_progress))
             shutil.rmtree(raw_dir)
+            settle(warm=self.chunk_files(hibernated))
             began = time.monotonic()
             self.engine.restore(name, lazy=True)
             lazy_t.append(first_progress(began))
@@ -374,6 +385,24 @@ class Bench:
                 "-",
             )
         shutil.rmtree(image)
+
+
+def settle(warm: list[Path] = ()) -> None:  # type: ignore[assignment]
+    """Start each measurement from the same state: nothing dirty, no page cache to reclaim first.
+
+    The page cache of this machine fills with earlier images; a measurement that must first reclaim it
+    (or that pays for the discards of a deleted image at its fsync) says more about what ran before
+    than about itself. Then the files the next measurement reads are read once, so it finds them in
+    the page cache as it would right after they were written.
+    """
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+    for item in warm:
+        for path in [item] if item.is_file() else [p for p in item.rglob("*") if p.is_file()]:
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
 
 
 def launcher_gone(bench: Bench, name: str) -> None:
