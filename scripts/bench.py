@@ -498,15 +498,15 @@ def render(
         "of the issue's bar. The images land in the page cache; nothing is fsynced.",
         f"- **raw CRIU → RAM** dumps into the file system of torpor's hot tier ({places['hot']}), so that "
         "what torpor itself adds can be told from where it writes.",
-        "- **torpor** dumps into its hot tier (RAM), then `put` hashes the files and commits them; a "
-        "destager process then chunks, compresses and stores the image in the cold tier on disk. *Durable* "
+        "- **torpor** dumps into its hot tier (RAM), then `put` commits the image (a rename); a "
+        "destager process then chunks, hashes, compresses and stores it in the cold tier on disk. *Durable* "
         "is the time until then (the benchmark waits for it, and for the destager to go idle, before the "
         "next measurement, so that its work does not land in someone else's numbers).",
         "- *Frozen* is CRIU's own frozen time from its stats-dump image, the same measure on every side. "
         "*Total* is how long the command took for its caller (for torpor: the round trip to the job's "
         "launcher, the dump, and the commit to the hot tier). torpor's *restore* includes fetching the "
-        "image from the store, verifying every byte against its hash, and starting a launcher that runs "
-        "`criu restore`.",
+        "image from the store, verifying every byte against its hash (the memory pages while CRIU reads "
+        "them; the job runs only once they passed), and starting a launcher that runs `criu restore`.",
         "",
         "The machine has 2 cores and is a virtual one; page-cache writeback makes dumps "
         "to disk vary: ratios move between runs, so read the samples at the end before a single number.",

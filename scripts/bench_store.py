@@ -39,6 +39,7 @@ from pathlib import Path
 from benchdoc import DOC, dir_bytes, median, say, wait_for, write_section
 
 HERE = Path(__file__).resolve().parent
+CRIU_ROOT = HERE.parent / ".venv" / "criu-root"  # where `make setup` puts CRIU and its libraries
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -392,13 +393,17 @@ def settle(warm: list[Path] = ()) -> None:  # type: ignore[assignment]
 
     The page cache of this machine fills with earlier images; a measurement that must first reclaim it
     (or that pays for the discards of a deleted image at its fsync) says more about what ran before
-    than about itself. Then the files the next measurement reads are read once, so it finds them in
-    the page cache as it would right after they were written.
+    than about itself. Then the programs and the files the next measurement reads are read once, so it
+    finds them in the page cache as it would on a machine in use, right after they were written.
     """
     os.sync()
     with contextlib.suppress(OSError):
         Path("/proc/sys/vm/drop_caches").write_text("1")
-    for item in warm:
+    # programs stay cached on a machine in use: read back CRIU and the modules a destager imports
+    subprocess.run([sys.executable, "-c", "import torpor.core.store.destager"], check=True)
+    for item in [CRIU_ROOT, *warm]:
+        if not item.exists():
+            continue
         for path in [item] if item.is_file() else [p for p in item.rglob("*") if p.is_file()]:
             with open(path, "rb") as f:
                 while f.read(1 << 24):
