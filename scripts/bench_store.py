@@ -260,10 +260,10 @@ class Bench:
             self.checkpoint(name)
             self.engine.stop(name)
             launcher_gone(self, name)
-            settle(warm=[raw_dir])
+            settle(drop=False)
             raw_t.append(self.raw_restore(raw_dir))
             shutil.rmtree(raw_dir)
-            settle()
+            settle(drop=False)
             began = time.monotonic()
             self.engine.restore(name)
             hot_t.append(time.monotonic() - began)
@@ -271,7 +271,7 @@ class Bench:
             _, _, hibernated, _ = self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
             self.left_ram(hibernated)
-            settle(warm=self.chunk_files(hibernated))
+            settle(drop=False)
             began = time.monotonic()
             self.engine.restore(name)
             cold_t.append(time.monotonic() - began)
@@ -290,12 +290,6 @@ class Bench:
             "≤ 1.5x",
         )
         self.engine.remove(name, force=True)
-
-    def chunk_files(self, checkpoint_id: str) -> list[Path]:
-        from torpor.core.store.repository import chunk_name
-
-        manifest = self.engine.ctx.store.repo.manifest(checkpoint_id)  # type: ignore[attr-defined]
-        return [self.settings.images_dir / chunk_name(chunk) for chunk in set(manifest.chunk_ids())]
 
     def left_ram(self, checkpoint_id: str) -> None:
         """Wait until a hibernated image's hot copy is gone (once durable), so a restore reads the cold tier."""
@@ -322,10 +316,10 @@ class Bench:
             _, _, hibernated, _ = self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
             self.left_ram(hibernated)
-            settle(warm=[raw_dir])
+            settle(drop=False)
             raw_t.append(self.raw_restore(raw_dir, until=first_progress))
             shutil.rmtree(raw_dir)
-            settle(warm=self.chunk_files(hibernated))
+            settle(drop=False)
             began = time.monotonic()
             self.engine.restore(name, lazy=True)
             lazy_t.append(first_progress(began))
@@ -388,23 +382,26 @@ class Bench:
         shutil.rmtree(image)
 
 
-def settle(warm: list[Path] = ()) -> None:  # type: ignore[assignment]
+def settle(drop: bool = True) -> None:
     """Start each measurement from the same state: nothing dirty, no page cache to reclaim first.
 
     The page cache of this machine fills with earlier images; a measurement that must first reclaim it
     (or that pays for the discards of a deleted image at its fsync) says more about what ran before
-    than about itself. Then the programs and the files the next measurement reads are read once, so it
-    finds them in the page cache as it would on a machine in use, right after they were written.
+    than about itself. Then the programs it runs are read once, so it finds them in the page cache as
+    it would on a machine in use.
+    ``drop=False`` (restores): only the sync. Memory the page cache gave back is slow to touch again on
+    this virtual machine, and a restore from the cold tier touches twice as much fresh memory as a raw
+    one (the restore folder, then the process): dropping the cache before it would measure the host.
     """
     os.sync()
+    if not drop:
+        return
     with contextlib.suppress(OSError):
         Path("/proc/sys/vm/drop_caches").write_text("1")
     # programs stay cached on a machine in use: read back CRIU and the modules a destager imports
     subprocess.run([sys.executable, "-c", "import torpor.core.store.destager"], check=True)
-    for item in [CRIU_ROOT, *warm]:
-        if not item.exists():
-            continue
-        for path in [item] if item.is_file() else [p for p in item.rglob("*") if p.is_file()]:
+    if CRIU_ROOT.is_dir():
+        for path in [p for p in CRIU_ROOT.rglob("*") if p.is_file()]:
             with open(path, "rb") as f:
                 while f.read(1 << 24):
                     pass

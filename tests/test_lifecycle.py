@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,34 @@ def test_run_returns_and_ps_shows_the_job(torpor: Torpor) -> None:
     assert job["launcher_pid"] != os.getpid()
     table = torpor.run("ps").stdout
     assert re.search(r"^count\s+running\s+\d+\s+[\d.]+ MiB", table, re.M)
+
+
+def test_the_launcher_is_forked_or_with_other_threads_a_new_interpreter(
+    torpor: Torpor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torpor.core.engine import Engine
+    from torpor.settings import Settings
+
+    torpor.run("run", "--name", "forked", "--", "sleep", "60")
+    forked = Path(f"/proc/{torpor.job('forked')['launcher_pid']}")
+    assert (forked / "comm").read_text().strip() == "torpor-launch"
+    assert "torpor.core.launcher" not in (forked / "cmdline").read_text()
+
+    monkeypatch.setenv("TORPOR_HOT_DIR", torpor.env["TORPOR_HOT_DIR"])
+    engine = Engine(Settings.from_environment(home=str(torpor.home)))
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # forking while it runs could deadlock
+    other.start()
+    try:
+        engine.run("spawned", ["sleep", "60"], "/")
+    finally:
+        done.set()
+        other.join()
+    spawned = Path(f"/proc/{torpor.job('spawned')['launcher_pid']}")
+    assert "torpor.core.launcher" in (spawned / "cmdline").read_text()
+    for name in ("forked", "spawned"):
+        torpor.run("stop", name)
+        assert torpor.job(name)["state"] != "running"
 
 
 def test_job_that_exits_is_reported_with_its_exit_code(torpor: Torpor) -> None:

@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
+#: launchers started as new interpreters (by a caller with threads), reaped as later ones start
+_spawned: list[subprocess.Popen[bytes]] = []
+
 
 def _quiet(_: str) -> None:
     return None
@@ -472,8 +475,10 @@ class Engine:
             if threading.active_count() == 1:
                 self._fork_launcher(spec, log, ready_w, go_r, life_w)
             else:
+                global _spawned
+                _spawned = [child for child in _spawned if child.poll() is None]  # reaps exited ones
                 with open(log, "ab") as log_file:
-                    subprocess.Popen(
+                    child = subprocess.Popen(
                         [
                             sys.executable,
                             "-m",
@@ -490,6 +495,7 @@ class Engine:
                         pass_fds=(ready_w, go_r, life_w),
                         close_fds=True,
                     )
+                _spawned.append(child)
         except BaseException:
             for fd in (ready_r, go_w, life_r):
                 os.close(fd)
