@@ -104,6 +104,7 @@ class Bench:
         self.criu = self.settings.criu
         self.n = 0
         self.rows: list[tuple[str, str, str, str, str]] = []
+        self.samples: list[str] = []  # every sample of each timed row, torpor / raw
 
     # -- jobs and raw CRIU --
 
@@ -196,6 +197,18 @@ class Bench:
         self.rows.append((what, torpor, raw, ratio, bar))
         say(f"  {what}: torpor {torpor}, raw {raw}, ratio {ratio} (bar {bar})")
 
+    def timed(self, what: str, ours: list[float], theirs: list[float], bar: str) -> None:
+        """A row of medians (seconds), its samples kept for the end of the section."""
+        self.add(
+            what,
+            f"{median(ours):.2f} s",
+            f"{median(theirs):.2f} s",
+            f"{median(ours) / median(theirs):.2f}x",
+            bar,
+        )
+        listed = ", ".join(f"{x:.2f}" for x in ours) + " / " + ", ".join(f"{x:.2f}" for x in theirs)
+        self.samples.append(f"- {what} (torpor / raw, s): {listed}")
+
     # -- the measurements --
 
     def incremental(self) -> None:
@@ -232,27 +245,9 @@ class Bench:
                     frozen, wall, _, raw_dir = self.raw_dump(name, into=self.settings.hot_path / "raw")
                     shutil.rmtree(raw_dir)
                     freeze_rh.append(frozen)
-        self.add(
-            "freeze time (CRIU frozen)",
-            f"{median(freeze_t):.2f} s",
-            f"{median(freeze_r):.2f} s",
-            f"{median(freeze_t) / median(freeze_r):.2f}x",
-            "≤ 1.1x",
-        )
-        self.add(
-            "freeze time vs raw CRIU dumping into the same tmpfs",
-            f"{median(freeze_t):.2f} s",
-            f"{median(freeze_rh):.2f} s",
-            f"{median(freeze_t) / median(freeze_rh):.2f}x",
-            "-",
-        )
-        self.add(
-            "time until durable (raw: dump + fsync)",
-            f"{median(durable_t):.2f} s",
-            f"{median(durable_r):.2f} s",
-            f"{median(durable_t) / median(durable_r):.2f}x",
-            "≤ 1.0x",
-        )
+        self.timed("freeze time (CRIU frozen)", freeze_t, freeze_r, "≤ 1.1x")
+        self.timed("freeze time vs raw CRIU dumping into the same tmpfs", freeze_t, freeze_rh, "-")
+        self.timed("time until durable (raw: dump + fsync)", durable_t, durable_r, "≤ 1.0x")
         hot_t, cold_t, raw_t = [], [], []
         for _rep in range(self.repeat):
             frozen, wall, _, raw_dir = self.raw_dump(name)
@@ -275,20 +270,8 @@ class Bench:
             began = time.monotonic()
             self.engine.restore(name)
             cold_t.append(time.monotonic() - began)
-        self.add(
-            "restore from the hot tier",
-            f"{median(hot_t):.2f} s",
-            f"{median(raw_t):.2f} s",
-            f"{median(hot_t) / median(raw_t):.2f}x",
-            "≤ 1.1x",
-        )
-        self.add(
-            "restore from the cold tier",
-            f"{median(cold_t):.2f} s",
-            f"{median(raw_t):.2f} s",
-            f"{median(cold_t) / median(raw_t):.2f}x",
-            "≤ 1.5x",
-        )
+        self.timed("restore from the hot tier", hot_t, raw_t, "≤ 1.1x")
+        self.timed("restore from the cold tier", cold_t, raw_t, "≤ 1.5x")
         self.engine.remove(name, force=True)
 
     def left_ram(self, checkpoint_id: str) -> None:
@@ -325,13 +308,7 @@ class Bench:
             lazy_t.append(first_progress(began))
             # a dump while lazy-pages still copies memory in would miss pages: let it finish first
             wait_for(self.lazy_done, "lazy-pages to finish", 300)
-        self.add(
-            "lazy restore (cold tier): time to first progress, 4 GiB",
-            f"{median(lazy_t):.2f} s",
-            f"{median(raw_t):.2f} s",
-            f"{median(lazy_t) / median(raw_t):.2f}x",
-            "≤ 0.2x",
-        )
+        self.timed("lazy restore (cold tier): time to first progress, 4 GiB", lazy_t, raw_t, "≤ 0.2x")
         self.engine.remove(name, force=True)
 
     def zeros(self) -> None:
@@ -465,6 +442,11 @@ def main() -> int:
         "- *Lazy restore*: only what CRIU reads itself is fetched first (a few MiB); the job then runs "
         "while torpor's page server answers CRIU's lazy-pages daemon chunk by chunk from the store, each "
         "chunk verified before a byte of it is handed over.",
+        "",
+        "Every sample, in the order taken (this virtual machine's page cache and memory make single runs "
+        "vary; read these before a single ratio):",
+        "",
+        *bench.samples,
     ]
     write_section("store", "\n".join(lines))
     say(f"wrote {DOC}")
