@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def test_the_launcher_is_forked_or_with_other_threads_a_new_interpreter(
 
     monkeypatch.setenv("TORPOR_HOT_DIR", torpor.env["TORPOR_HOT_DIR"])
     engine = Engine(Settings.from_environment(home=str(torpor.home)))
+    # a caller's signal handlers are not the launcher's (torpor slurm run catches SIGUSR1 and SIGTERM)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        engine.run("caught", ["sleep", "60"], "/")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    status = Path(f"/proc/{torpor.job('caught')['launcher_pid']}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
+    assert not caught & (1 << (signal.SIGUSR1 - 1))
+
     done = threading.Event()
     other = threading.Thread(target=done.wait)  # forking while it runs could deadlock
     other.start()
@@ -55,7 +66,7 @@ def test_the_launcher_is_forked_or_with_other_threads_a_new_interpreter(
         other.join()
     spawned = Path(f"/proc/{torpor.job('spawned')['launcher_pid']}")
     assert "torpor.core.launcher" in (spawned / "cmdline").read_text()
-    for name in ("forked", "spawned"):
+    for name in ("forked", "caught", "spawned"):
         torpor.run("stop", name)
         assert torpor.job(name)["state"] != "running"
 

@@ -287,6 +287,13 @@ def forked(fields: dict[str, Any], log: Path, ready_fd: int, go_fd: int, life_fd
     not wait for the launcher too).
     """
     gc.freeze()  # nothing the CLI left behind may be collected here and close a descriptor we reuse
+    # signals as after an exec: the CLI's handlers (e.g. `torpor slurm run` queues SIGUSR1/SIGTERM and
+    # wakes on a pipe) are not the launcher's; what the CLI ignores stays ignored (it means to)
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
     out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
