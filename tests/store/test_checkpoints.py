@@ -103,15 +103,14 @@ def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, 
     assert torpor.job("f")["state"] == "hibernated"
 
 
-def test_a_flipped_byte_in_raw_memory_stops_the_restored_job_before_it_runs(
-    torpor: Torpor, hot: Path
-) -> None:
-    """Random memory is stored uncompressed: only the hash check, run while CRIU reads, catches it."""
+def hibernate_then_flip_a_memory_byte(torpor: Torpor, hot: Path, name: str) -> str:
+    """Run a job holding 32 MiB of random memory, hibernate it to the cold tier alone, and flip a byte of
+    its biggest memory chunk (stored raw: random data does not compress); returns the checkpoint id."""
     job = str(Path(__file__).parent / "jobs" / "memory_check.py")
-    torpor.run("run", "--name", "g", "--", sys.executable, "-u", job, "32")
-    torpor.wait_log("g", "digest")
-    torpor.run("hibernate", "g", "--wait")
-    checkpoint = torpor.json("checkpoints", "g")[0]["id"]
+    torpor.run("run", "--name", name, "--", sys.executable, "-u", job, "32")
+    torpor.wait_log(name, "digest")
+    torpor.run("hibernate", name, "--wait")
+    checkpoint: str = torpor.json("checkpoints", name)[0]["id"]
     drop_hot_copies(hot)
     repo = Repository(FolderBackend(torpor.home / "images"))
     pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
@@ -120,6 +119,14 @@ def test_a_flipped_byte_in_raw_memory_stops_the_restored_job_before_it_runs(
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0x10
     path.write_bytes(bytes(blob))
+    return checkpoint
+
+
+def test_a_flipped_byte_in_raw_memory_stops_the_restored_job_before_it_runs(
+    torpor: Torpor, hot: Path
+) -> None:
+    """Random memory is stored uncompressed: only the hash check, run while CRIU reads, catches it."""
+    checkpoint = hibernate_then_flip_a_memory_byte(torpor, hot, "g")
     log = torpor.home / "jobs" / "g" / "output.log"
     before = log.read_bytes()
     result = torpor.run("resume", "g", check=False)
@@ -204,19 +211,8 @@ def test_lazy_resume(torpor: Torpor, hot: Path) -> None:
 def test_a_corrupt_chunk_met_by_a_lazy_resume_kills_the_job_with_the_reason(
     torpor: Torpor, hot: Path
 ) -> None:
-    job = str(Path(__file__).parent / "jobs" / "memory_check.py")
-    torpor.run("run", "--name", "z", "--", sys.executable, "-u", job, "32")
-    torpor.wait_log("z", "digest")
-    torpor.run("hibernate", "z", "--wait")
-    checkpoint = torpor.json("checkpoints", "z")[0]["id"]
-    drop_hot_copies(hot)
-    repo = Repository(FolderBackend(torpor.home / "images"))
-    pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
-    sizes = {c: n for _, n, c in pages.extents if c}
-    path = torpor.home / "images" / chunk_name(max(sizes, key=lambda c: sizes[c]))
-    blob = bytearray(path.read_bytes())
-    blob[-100] ^= 0x10  # in the random bytearray: lazy memory, read only through the page server
-    path.write_bytes(bytes(blob))
+    # the byte is in the random bytearray: lazy memory, read only through the page server
+    hibernate_then_flip_a_memory_byte(torpor, hot, "z")
     digests = torpor.log("z").count("digest")
     torpor.run("resume", "z", "--lazy", check=False)
     torpor.wait_for(lambda: torpor.job("z")["state"] not in ("running", "restoring"), what="the kill")

@@ -333,15 +333,13 @@ class HotTier:
         self.ensure()
         return self.root / f"restore-{self._dir(checkpoint_id).name}-{uuid.uuid4().hex[:6]}"
 
-    def link_out(self, checkpoint_id: str, dest: Path) -> HotRecord | None:
-        """Link (or copy) a hot image's files into ``dest``, unverified; ``None`` if there is none.
+    def link_out(self, record: HotRecord, dest: Path) -> bool:
+        """Link (or copy) the files of the hot image ``record`` into ``dest``, unverified; False if gone.
 
         The caller verifies them (:class:`~torpor.core.store.tiered.TieredStore`), against the
         manifest once the image is durable, else against the hashes of :meth:`hash_files`.
         """
-        record = self.record(checkpoint_id)
-        if record is None:
-            return None
+        checkpoint_id = record.id
         source = self._dir(checkpoint_id)
         dest.mkdir(parents=True, exist_ok=True)
         try:
@@ -365,8 +363,8 @@ class HotTier:
             # dropped from the hot tier while we read it (it was durable): the caller reads the cold copy
             for child in dest.iterdir():
                 child.unlink(missing_ok=True)
-            return None
-        return record
+            return False
+        return True
 
     # -- recovery -----------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torpor.core.store import pagemap
+from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
 from torpor.core.store.objects import KIND_CHUNK
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, Pagemap
@@ -176,11 +177,11 @@ class LazyImage:
         dest.mkdir(parents=True, exist_ok=True)
         try:
             # everything but the pages first: the pagemaps say which parts of the pages files are lazy
-            self._write_files(dest, [e for e in self.manifest.files if not e.name.startswith("pages-")])
+            self._write_files(dest, [e for e in self.manifest.files if not is_bulk(e.name)])
             processes = self._read_processes(dest)
             whole: list[FileEntry] = []
             for entry in self.manifest.files:
-                if not entry.name.startswith("pages-"):
+                if not is_bulk(entry.name):
                     continue
                 process = processes.get(entry.name)
                 if process is None:  # not a process's memory (e.g. shared memory): CRIU reads it all
@@ -267,7 +268,7 @@ class LazyImage:
     def _write_piece(self, fd: int, entry: FileEntry, index: int, start: int, length: int) -> None:
         offset, size, chunk = entry.extents[index]
         assert chunk is not None
-        data = self._chunk(chunk, size, keep=entry.name.startswith("pages-"))
+        data = self._chunk(chunk, size, keep=is_bulk(entry.name))
         os.pwrite(fd, data[start : start + length], offset + start)
 
     @staticmethod

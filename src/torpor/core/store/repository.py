@@ -21,11 +21,11 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Generator, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
@@ -37,6 +37,8 @@ from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNo
 STORE_FORMAT = "torpor-store"
 STORE_VERSION = 1
 DEFAULT_CHUNK_SIZE = 1 << 20
+
+T = TypeVar("T")
 
 #: (bytes done, bytes in all)
 ProgressFn = Callable[[int, int], None]
@@ -208,28 +210,16 @@ class Repository:
                 for plan in plans:
                     # mapped, not read: the chunks are hashed, compressed and written from the hot tier's
                     # pages without a copy
-                    mapping = _map(image_dir / plan.name, plan.size)
-                    view = memoryview(mapping)
-                    futures = []
-                    try:
-                        futures = [pool.submit(one, view, off, length) for off, length in plan.pieces]
-                        extents: list[Extent] = []
-                        for future in futures:
-                            extents.append(future.result())
+                    extents: list[Extent] = []
+                    results = _over_mapping(pool, image_dir / plan.name, plan.size, one, plan.pieces)
+                    with contextlib.closing(results):
+                        for extent in results:
+                            extents.append(extent)
                             now = time.monotonic()
                             if now - last_report > 0.2:
                                 last_report = now
                                 progress(counters["done"], total)
                                 held.refresh()
-                    finally:
-                        for future in futures:
-                            future.cancel()
-                        wait(futures)
-                        if isinstance(mapping, mmap.mmap):
-                            # a failed task's traceback may still hold a slice: then the GC unmaps it
-                            with contextlib.suppress(BufferError):
-                                view.release()
-                                mapping.close()
                     files.append(FileEntry(plan.name, plan.size, tuple(_merge_zeros(extents))))
             syncing = time.monotonic()
             self.backend.sync()  # every chunk durable before the manifest names it
@@ -442,33 +432,51 @@ def verify_extents(
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="verify") as pool:
         for entry in entries:
+            calls = [(entry.name, *extent) for extent in entry.extents if zeros or extent[2] is not None]
             try:
                 if (folder / entry.name).stat().st_size != entry.size:
                     raise CorruptImage(
                         f"checkpoint {checkpoint_id} is damaged: {entry.name} has the wrong size"
                     )
-                mapping = _map(folder / entry.name, entry.size)
+                with contextlib.closing(
+                    _over_mapping(pool, folder / entry.name, entry.size, one, calls)
+                ) as run:
+                    for _ in run:
+                        pass
             except OSError as exc:
                 raise CorruptImage(
                     f"checkpoint {checkpoint_id}: cannot read {entry.name} to verify it ({exc.strerror})"
                 ) from exc
-            view = memoryview(mapping)
-            futures = [
-                pool.submit(one, view, entry.name, *extent)
-                for extent in entry.extents
-                if zeros or extent[2] is not None
-            ]
-            try:
-                for future in futures:
-                    future.result()
-            finally:
-                for future in futures:
-                    future.cancel()
-                wait(futures)
-                if isinstance(mapping, mmap.mmap):
-                    with contextlib.suppress(BufferError):
-                        view.release()
-                        mapping.close()
+
+
+def _over_mapping(
+    pool: ThreadPoolExecutor,
+    path: Path,
+    size: int,
+    task: Callable[..., T],
+    calls: Iterable[tuple[Any, ...]],
+) -> Generator[T, None, None]:
+    """``task(view, *args)`` for each ``args`` of ``calls``, in ``pool``, on a read-only mapping of ``path``.
+
+    Yields the results in order. The mapping is unmapped once every task has finished or been
+    cancelled, whether they all succeeded or one raised (close the generator to stop early).
+    """
+    mapping = _map(path, size)
+    view = memoryview(mapping)
+    futures: list[Future[T]] = []
+    try:
+        futures = [pool.submit(task, view, *args) for args in calls]
+        for future in futures:
+            yield future.result()
+    finally:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        if isinstance(mapping, mmap.mmap):
+            # a failed task's traceback may still hold a slice: then the GC unmaps it
+            with contextlib.suppress(BufferError):
+                view.release()
+                mapping.close()
 
 
 def _all_zero(data: memoryview | bytes, zero: bytes) -> bool:

@@ -238,7 +238,7 @@ class TieredStore:
                 # not destaged yet, so no manifest: the first restore takes the hashes later ones check
                 record = self.hot.hash_files(checkpoint_id)
                 hashed_now = True
-            if record is None or self.hot.link_out(checkpoint_id, dest) is None:
+            if record is None or not self.hot.link_out(record, dest):
                 return None
         except FileNotFoundError:
             return None  # dropped from the hot tier meanwhile (it is durable): read the cold copy
