@@ -48,6 +48,9 @@ class Settings:
     keep_last: int = 0
     #: threads that hash, compress, store and fetch chunks
     store_workers: int = 4
+    #: restore from the cold tier by streaming the memory pages into ``criu restore --stream`` (no copy
+    #: into RAM first); off: the whole image is written into a restore folder, then CRIU reads it
+    stream_restore: bool = True
 
     @property
     def db_path(self) -> Path:
@@ -132,6 +135,7 @@ class Settings:
             key_file=Path(key).absolute() if key else None,
             keep_last=_env_int("TORPOR_KEEP_LAST", 0),
             store_workers=_env_int("TORPOR_STORE_WORKERS", 4),
+            stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
         )
 
 
@@ -168,3 +172,14 @@ def find_criu(configured: Path | None) -> Path | None:
         return beside
     found = shutil.which("criu", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
     return Path(found) if found else None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("1", "yes", "true", "on"):
+        return True
+    if text in ("0", "no", "false", "off"):
+        return False
+    raise UsageError(f"{name}={text!r} must be 1 or 0 (yes/no, true/false, on/off)")

@@ -122,10 +122,16 @@ def hibernate_then_flip_a_memory_byte(torpor: Torpor, hot: Path, name: str) -> s
     return checkpoint
 
 
+@pytest.mark.parametrize("stream", ["1", "0"], ids=["streamed", "whole-image"])
 def test_a_flipped_byte_in_raw_memory_stops_the_restored_job_before_it_runs(
-    torpor: Torpor, hot: Path
+    torpor: Torpor, hot: Path, stream: str
 ) -> None:
-    """Random memory is stored uncompressed: only the hash check, run while CRIU reads, catches it."""
+    """Random memory is stored uncompressed: only the hash check, run while CRIU reads, catches it.
+
+    Streamed, the chunk is checked before CRIU gets a byte of it; restoring from a whole copy of the
+    image, CRIU reads it while it is checked, and the job is held until the verdict.
+    """
+    torpor.env["TORPOR_STREAM_RESTORE"] = stream
     checkpoint = hibernate_then_flip_a_memory_byte(torpor, hot, "g")
     log = torpor.home / "jobs" / "g" / "output.log"
     before = log.read_bytes()

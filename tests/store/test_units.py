@@ -90,13 +90,20 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("TORPOR_HOT_CAPACITY", "1.5G")
     monkeypatch.setenv("TORPOR_STORE", "s3://bucket/prefix")
     monkeypatch.setenv("TORPOR_KEEP_LAST", "3")
+    assert Settings.from_environment(home=str(tmp_path)).stream_restore
+    monkeypatch.setenv("TORPOR_STREAM_RESTORE", "off")
     settings = Settings.from_environment(home=str(tmp_path))
+    assert not settings.stream_restore
     assert settings.hot_path == tmp_path / "hot"
     assert settings.hot_capacity_bytes == int(1.5 * (1 << 30))
     assert settings.store_url == "s3://bucket/prefix" and settings.keep_last == 3
     assert Settings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
     monkeypatch.setenv("TORPOR_KEEP_LAST", "many")
     with pytest.raises(UsageError, match="whole number"):
+        Settings.from_environment(home=str(tmp_path))
+    monkeypatch.setenv("TORPOR_KEEP_LAST", "3")
+    monkeypatch.setenv("TORPOR_STREAM_RESTORE", "maybe")
+    with pytest.raises(UsageError, match="TORPOR_STREAM_RESTORE='maybe' must be 1 or 0"):
         Settings.from_environment(home=str(tmp_path))
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("4096") == 4096
     with pytest.raises(UsageError):

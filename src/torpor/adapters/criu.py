@@ -352,12 +352,15 @@ class Criu:
         extra: tuple[str, ...] = (),
         lazy: bool = False,
         gate: RestoreGate | None = None,
+        stream: bool = False,
     ) -> int:
         """Restore a tree detached (``-d``) and return its root's pid.
 
         The restored root is re-parented to the nearest subreaper above criu: the caller's launcher.
         ``lazy``: memory comes from a running :meth:`start_lazy_pages` on the same folder.
         ``gate``: the tree is restored in full but not let run until the gate's verdict says so.
+        ``stream``: every image file comes through an image streamer listening in ``images_dir``
+        (:mod:`torpor.adapters.imagestreamer`), not from the folder.
         """
         self.require()
         args = [
@@ -373,6 +376,7 @@ class Criu:
             *COMMON_OPTIONS,
             *(["--lazy-pages"] if lazy else []),
             *(["--action-script", str(gate.script)] if gate else []),
+            *(["--stream"] if stream else []),
             *extra,
         ]
         out = self._run(args, timeout=6 * 3600, env=gate.env() if gate else None)

@@ -38,12 +38,13 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu, RestoreGate, open_files, unix_socket_paths
+from torpor.adapters.imagestreamer import ImageStreamer
 from torpor.adapters.pageserver import PageServer
 from torpor.core import control
 from torpor.core.records import (
@@ -56,7 +57,7 @@ from torpor.core.records import (
     JobState,
     Records,
 )
-from torpor.core.store import Check, GcResult, ImageStore, PageSource, StoredImage, open_store
+from torpor.core.store import Check, GcResult, ImageStore, PageSource, PageStream, StoredImage, open_store
 from torpor.errors import (
     CheckpointNotFound,
     EnvironmentProblem,
@@ -281,13 +282,15 @@ def restore_into_launcher(
     lazy: bool = False,
     gate: RestoreGate | None = None,
     served: bool = False,
+    stream: bool = False,
 ) -> int:
     """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
 
     ``lazy``: the job starts before its memory is in; ``criu lazy-pages`` serves it from ``image_dir``,
     or, when ``served``, from the store through torpor's page server (the store's ``page_source``);
     ``image_dir`` is deleted once that daemon is done. ``gate``: the image's pages are still being
-    verified; CRIU restores the tree meanwhile and lets it run only on a good verdict.
+    verified; CRIU restores the tree meanwhile and lets it run only on a good verdict. ``stream``: CRIU
+    reads every file from the image streamer the caller runs on ``image_dir`` (``criu restore --stream``).
     """
     daemon = None
     server: PageServer | None = None
@@ -324,6 +327,7 @@ def restore_into_launcher(
             extra=ctx.settings.criu_extra,
             lazy=lazy,
             gate=gate,
+            stream=stream,
         )
         root.append(pid)
         restored.set()
@@ -658,6 +662,7 @@ class Engine:
         )
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         launcher: PendingLauncher | None = None
+        pages: PageStream | None = None
         try:
             launcher = self._start_launcher({"mode": "restore", "job": name})
             if previous.pid and not system.wait_gone(
@@ -678,7 +683,10 @@ class Engine:
                 if not served:
                     self.ctx.store.get(checkpoint.id, image_dir)
             else:
-                check = self.ctx.store.fetch(checkpoint.id, image_dir)
+                if self.settings.stream_restore:
+                    pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
+                if pages is None:
+                    check = self.ctx.store.fetch(checkpoint.id, image_dir)
             rewound = rewind_written_files(image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id)
             if rewound:
                 progress(
@@ -693,8 +701,12 @@ class Engine:
                 "checkpoint_id": checkpoint.id,
                 "lazy": lazy,
                 "served": served,
+                "stream": pages is not None,
             }
-            if check is None:
+            if pages is not None:
+                progress("restoring with criu; memory streams in from the store, each chunk verified first")
+                self._release_streamed(launcher, spec, image_dir, pages)
+            elif check is None:
                 progress("restoring with criu")
                 launcher.release(spec)
             else:
@@ -712,7 +724,31 @@ class Engine:
                 f"{exc.message}; job '{name}' stays {previous.state} and checkpoint {checkpoint.id} is kept",
                 details=exc.details,
             ) from exc
+        finally:
+            if pages is not None:
+                pages.close()
         return self.records.job(name), checkpoint, time.monotonic() - started
+
+    def _release_streamed(
+        self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, pages: PageStream
+    ) -> None:
+        """Let the launcher run ``criu restore --stream`` while this process hands CRIU the image.
+
+        The files in ``image_dir`` (verified already) go to CRIU as they are; the memory pages come from
+        the store straight into CRIU's pipe, with no copy in RAM first, each chunk verified before it is
+        written. A damaged chunk cuts its file short, so CRIU fails before the job runs.
+        """
+        streamer = ImageStreamer(image_dir, {name: partial(pages.write, name) for name in pages.names})
+        streamer.start()
+        try:
+            launcher.release(spec)
+        except TorporError as exc:
+            streamer.stop()
+            if isinstance(streamer.error, TorporError):  # says more than "criu restore failed"
+                raise streamer.error from exc
+            raise
+        finally:
+            streamer.stop()
 
     def _release_gated(
         self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, check: Check

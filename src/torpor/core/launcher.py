@@ -49,6 +49,7 @@ class LaunchSpec:
     gate: str | None = None
     gate_pid: int | None = None
     served: bool = False  # lazy restore: memory comes from the store through torpor's page server
+    stream: bool = False  # restore: CRIU reads the image from the image streamer the CLI runs on it
 
     def settings(self) -> Settings:
         return Settings.from_dict(self.settings_dict)
@@ -125,6 +126,7 @@ class Launcher:
             self.spec.checkpoint_id,
             lazy=self.spec.lazy,
             served=self.spec.served,
+            stream=self.spec.stream,
             gate=self.ctx.restore_gate(Path(self.spec.gate), self.spec.gate_pid)
             if self.spec.gate and self.spec.gate_pid
             else None,

@@ -25,6 +25,7 @@ from torpor.core.store.base import (
     GcResult,
     ImageStore,
     PageSource,
+    PageStream,
     StoredImage,
 )
 from torpor.core.store.hot import HotTier
@@ -39,6 +40,7 @@ __all__ = [
     "GcResult",
     "ImageStore",
     "PageSource",
+    "PageStream",
     "StoredImage",
     "TieredStore",
     "open_store",

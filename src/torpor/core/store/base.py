@@ -33,6 +33,21 @@ class PageSource(Protocol):
     def close(self) -> None: ...
 
 
+class PageStream(Protocol):
+    """The memory-page files of one checkpoint, for a restore that hands them to CRIU as they come."""
+
+    #: the files it writes (the image's ``pages-N.img``)
+    names: frozenset[str]
+
+    def write(self, name: str, fd: int) -> None:
+        """Write file ``name`` whole into ``fd`` (a pipe), front to back, each piece verified before.
+
+        Raises CorruptImage at the first piece that does not match, having written nothing of it.
+        """
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class StoredImage:
     checkpoint_id: str
@@ -100,6 +115,12 @@ class ImageStore(Protocol):
 
         Everything else is verified when it returns. A restore runs the check while CRIU reads the
         pages and lets the job run only once it passed.
+        """
+
+    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
+        """For a streamed restore: write all but the memory pages into ``dest``, verified; stream those.
+
+        None: nothing was written; the image is in RAM, and :meth:`fetch` gives it fastest (links).
         """
 
     def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:

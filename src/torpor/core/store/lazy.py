@@ -35,10 +35,9 @@ from pathlib import Path
 from torpor.core.store import pagemap
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
-from torpor.core.store.objects import KIND_CHUNK
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, Pagemap
-from torpor.core.store.repository import Repository, chunk_name
-from torpor.errors import CorruptImage, ObjectNotFound, RestoreFailed, StoreError
+from torpor.core.store.repository import Repository
+from torpor.errors import CorruptImage, RestoreFailed, StoreError
 
 #: verified chunks kept in memory for the requests that follow
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -384,16 +383,4 @@ class LazyImage:
             future.set_exception(exc)
 
     def _fetch(self, chunk: ChunkId, size: int) -> Chunk:
-        checkpoint = self.manifest.id
-        what = f"chunk {chunk[:16]}… of checkpoint {checkpoint}"
-        try:
-            blob = self.repo.backend.load(chunk_name(chunk))
-        except ObjectNotFound as exc:
-            raise CorruptImage(f"checkpoint {checkpoint} is damaged: its {what} is missing") from exc
-        try:
-            data = self.repo.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk))
-        except CorruptImage as exc:
-            raise CorruptImage(f"checkpoint {checkpoint} is damaged: {exc.message}") from exc
-        if len(data) != size:
-            raise CorruptImage(f"checkpoint {checkpoint} is damaged: {what} has the wrong size")
-        return data
+        return self.repo.chunk_data(self.manifest.id, chunk, size)

@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -281,11 +282,13 @@ class Repository:
         dest: Path,
         progress: ProgressFn = _no_progress,
         defer: Callable[[str], bool] = lambda _: False,
+        skip: Callable[[str], bool] = lambda _: False,
     ) -> Manifest:
         """Rebuild checkpoint ``checkpoint_id`` in ``dest``, fetching and verifying chunks in parallel.
 
         The chunks of files ``defer`` names are written unverified: the caller must run
-        :func:`verify_extents` on those files before it trusts them.
+        :func:`verify_extents` on those files before it trusts them. Files ``skip`` names are not
+        written at all (see :meth:`file_data`).
         """
         manifest = self.manifest(checkpoint_id)
         dest.mkdir(parents=True, exist_ok=True)
@@ -294,18 +297,7 @@ class Repository:
         guard = threading.Lock()
 
         def one(fd: int, offset: int, length: int, chunk: str, verify: bool) -> None:
-            what = f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
-            try:
-                blob = self.backend.load(chunk_name(chunk))
-            except ObjectNotFound as exc:
-                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
-            try:
-                data = self.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk), verify=verify)
-            except CorruptImage as exc:
-                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {exc.message}") from exc
-            if len(data) != length:
-                raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {what} has the wrong size")
-            os.pwrite(fd, data, offset)
+            os.pwrite(fd, self.chunk_data(checkpoint_id, chunk, length, verify), offset)
             with guard:
                 done[0] += length
 
@@ -314,6 +306,9 @@ class Repository:
             with ThreadPoolExecutor(self.workers, thread_name_prefix="fetch") as pool:
                 futures = []
                 for entry in manifest.files:
+                    if skip(entry.name):
+                        done[0] += entry.size
+                        continue
                     if not safe_file_name(entry.name):  # validated already; never write outside dest
                         raise CorruptImage(f"checkpoint {checkpoint_id} names a bad file {entry.name!r}")
                     fd = os.open(dest / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -342,6 +337,67 @@ class Repository:
                 os.close(fd)
         progress(total, total)
         return manifest
+
+    def file_data(
+        self, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor, ahead: int = 8
+    ) -> Generator[bytes | memoryview, None, None]:
+        """The content of one file of a checkpoint, front to back, every piece verified before it is yielded.
+
+        Chunks are fetched and verified in ``pool``, at most ``ahead`` of them before the one being
+        yielded; zero extents come as pieces of at most one chunk size. Raises CorruptImage at the first
+        chunk that is missing or does not match its hash.
+        """
+        zero = memoryview(bytes(DEFAULT_CHUNK_SIZE))
+        pending: deque[tuple[int, Future[bytes | memoryview] | None]] = deque()
+        extents = iter(entry.extents)
+        try:
+            while True:
+                while len(pending) < max(1, ahead):
+                    extent = next(extents, None)
+                    if extent is None:
+                        break
+                    offset, length, chunk = extent
+                    place = f"{entry.name} at offset {offset}"
+                    future = (
+                        None
+                        if chunk is None
+                        else pool.submit(self.chunk_data, checkpoint_id, chunk, length, True, place)
+                    )
+                    pending.append((length, future))
+                if not pending:
+                    return
+                length, future = pending.popleft()
+                if future is not None:
+                    yield future.result()
+                    continue
+                for at in range(0, length, len(zero)):
+                    yield zero[: min(len(zero), length - at)]
+        finally:
+            for _, future in pending:
+                if future is not None:
+                    future.cancel()
+
+    def chunk_data(
+        self, checkpoint_id: str, chunk: str, length: int, verify: bool = True, place: str | None = None
+    ) -> bytes | memoryview:
+        """The plaintext of one chunk of a checkpoint (``verify=False``: not hashed; the caller will).
+
+        ``place`` (e.g. ``pages-1.img at offset 4096``) says where the chunk belongs, for the error.
+        """
+        what = (
+            f"{place}: chunk {chunk[:16]}…" if place else f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
+        )
+        try:
+            blob = self.backend.load(chunk_name(chunk))
+        except ObjectNotFound as exc:
+            raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
+        try:
+            data = self.codec.decode(KIND_CHUNK, blob, what, bytes.fromhex(chunk), verify=verify)
+        except CorruptImage as exc:
+            raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {exc.message}") from exc
+        if len(data) != length:
+            raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: {what} has the wrong size")
+        return data
 
     def intact(self, checkpoint_id: str, chunks: set[str] | None = None) -> bool:
         """Whether every chunk the checkpoint names is present (cheap: names only, not contents)."""

@@ -23,9 +23,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from torpor.adapters.system import write_all
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import (
     DESTAGING,
@@ -34,11 +36,13 @@ from torpor.core.store.base import (
     Check,
     GcResult,
     PageSource,
+    PageStream,
     StoredImage,
     is_bulk,
 )
 from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_alive
 from torpor.core.store.lazy import LazyImage
+from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
 from torpor.core.store.repository import Repository, chunk_name, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
@@ -206,6 +210,17 @@ class TieredStore:
                 raise self._with_hint(exc, checkpoint_id) from exc
 
         return hinted
+
+    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
+        if self.hot.record(checkpoint_id) is not None:
+            return None  # in RAM already: linked into the restore folder, no copy at all
+        try:
+            manifest = self.repo.read(checkpoint_id, dest, skip=is_bulk)
+        except CheckpointNotFound:
+            return None  # fetch() says what is missing, as for any restore
+        except CorruptImage as exc:
+            raise self._with_hint(exc, checkpoint_id) from exc
+        return _ColdPages(self, manifest)
 
     def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:
         if self.hot.record(checkpoint_id) is not None:
@@ -430,3 +445,27 @@ class TieredStore:
             self.kick()  # retry images a failure left staged (e.g. the cold tier was full)
         report = self.repo.gc()
         return GcResult(report.manifests, report.chunks_kept, report.chunks_deleted)
+
+
+class _ColdPages:
+    """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written."""
+
+    def __init__(self, store: TieredStore, manifest: Manifest) -> None:
+        self._store = store
+        self._manifest = manifest
+        self._entries = {entry.name: entry for entry in manifest.files if is_bulk(entry.name)}
+        self.names = frozenset(self._entries)
+        workers = store.settings.store_workers
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="stream")
+        self._ahead = 2 * max(1, workers)
+
+    def write(self, name: str, fd: int) -> None:
+        repo = self._store.repo
+        try:
+            for piece in repo.file_data(self._manifest.id, self._entries[name], self._pool, self._ahead):
+                write_all(fd, piece)
+        except CorruptImage as exc:
+            raise self._store._with_hint(exc, self._manifest.id) from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

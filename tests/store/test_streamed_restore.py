@@ -1,0 +1,174 @@
+"""Restore from the cold tier by streaming: torpor as the image streamer of ``criu restore --stream``.
+
+Covers the streamer's protocol against a scripted client speaking CRIU's side of it (files from the
+folder, files from writers, files that do not exist, a writer that fails), the cold tier's file stream
+(every piece verified before it is handed over; a damaged chunk stops it at that chunk) and, with real
+CRIU: a process restored this way has exactly its memory. The CLI-level cases (a flipped byte refused,
+the job never running) are in test_checkpoints.py, for both ways of restoring.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import Torpor
+from torpor.adapters.criu import Criu
+from torpor.adapters.imagestreamer import SOCKET_NAME, ImageStreamer, Writer
+from torpor.adapters.system import write_all
+from torpor.core.store.backend import Backend, FolderBackend
+from torpor.core.store.base import is_bulk
+from torpor.core.store.manifest import FileEntry
+from torpor.core.store.repository import Repository, chunk_name
+from torpor.errors import CorruptImage
+
+from .conftest import write_image
+from .test_lazy_pageserver import CRIU, digests, hibernated_job
+
+MiB = 1 << 20
+BASE = 0x7F0000000000
+
+
+# -- the protocol, against a scripted CRIU -----------------------------------------------------------
+
+
+def _ask(conn: socket.socket, name: str) -> bytes | None:
+    """CRIU's side of one open: the request, the answer, the pipe; returns the file's bytes or None."""
+    body = b"\x0a" + bytes([len(name)]) + name.encode()
+    conn.sendall(struct.pack("<I", len(body)) + body)
+    (length,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+    reply = conn.recv(length, socket.MSG_WAITALL)
+    assert reply[0] == 0x08
+    if not reply[1]:
+        return None
+    read_end, write_end = os.pipe()
+    conn.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_end]))])
+    os.close(write_end)
+    data = bytearray()
+    while chunk := os.read(read_end, MiB):
+        data += chunk
+    os.close(read_end)
+    return bytes(data)
+
+
+def _connect(folder: Path) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(folder / SOCKET_NAME))
+    return conn
+
+
+def test_files_come_from_the_folder_or_a_writer_and_others_do_not_exist(tmp_path: Path) -> None:
+    (tmp_path / "core-1.img").write_bytes(b"core" * 1000)
+    (tmp_path / ".torpor.json").write_text("{}")
+    pages = os.urandom(3 * MiB + 4096)
+
+    def write_pages(fd: int) -> None:
+        for at in range(0, len(pages), MiB):
+            write_all(fd, pages[at : at + MiB])
+
+    streamer = ImageStreamer(tmp_path, {"pages-1.img": write_pages})
+    streamer.start()
+    with _connect(tmp_path) as conn:
+        assert _ask(conn, "core-1.img") == b"core" * 1000
+        assert _ask(conn, "memfd.img") is None
+        assert _ask(conn, "pages-1.img") == pages
+        assert _ask(conn, ".torpor.json") is None  # torpor's own files are not CRIU's
+        assert _ask(conn, "../etc/passwd") is None
+    streamer.stop()
+    assert streamer.error is None
+    assert streamer.served == ["core-1.img", "pages-1.img"]
+    assert not (tmp_path / SOCKET_NAME).exists()
+
+
+def test_a_writer_that_fails_cuts_its_file_short_and_is_reported(tmp_path: Path) -> None:
+    def write_pages(fd: int) -> None:
+        write_all(fd, b"x" * MiB)
+        raise CorruptImage("checkpoint c is damaged: pages-1.img at offset 1048576: a chunk does not match")
+
+    streamer = ImageStreamer(tmp_path, {"pages-1.img": write_pages})
+    streamer.start()
+    with _connect(tmp_path) as conn:
+        assert _ask(conn, "pages-1.img") == b"x" * MiB  # CRIU reads exactly its pages: short is fatal
+    streamer.stop()
+    assert isinstance(streamer.error, CorruptImage) and "offset 1048576" in str(streamer.error)
+
+
+def test_stop_returns_when_criu_never_came_and_a_second_stop_is_harmless(tmp_path: Path) -> None:
+    streamer = ImageStreamer(tmp_path)
+    streamer.start()
+    began = time.monotonic()
+    streamer.stop()
+    streamer.stop()
+    assert time.monotonic() - began < 2
+    assert not (tmp_path / SOCKET_NAME).exists()
+
+
+# -- the cold tier's file stream --------------------------------------------------------------------
+
+
+def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(tmp_path: Path) -> None:
+    backend: Backend = FolderBackend(tmp_path / "store")
+    repo = Repository(backend)
+    image = write_image(tmp_path / "img", {BASE: os.urandom(3 * MiB), BASE + 64 * MiB: bytes(2 * MiB)})
+    repo.write("c", "job", image, {})
+    entry = next(f for f in repo.manifest("c").files if is_bulk(f.name))
+    with ThreadPoolExecutor(4) as pool:
+        assert b"".join(repo.file_data("c", entry, pool)) == (image / entry.name).read_bytes()
+        offset, _, chunk = entry.extents[1]
+        assert chunk is not None and offset == MiB
+        name = chunk_name(chunk)
+        blob = bytearray(backend.load(name))
+        blob[-10] ^= 0x01
+        backend.store(name, bytes(blob))
+        handed: list[bytes] = []
+        with pytest.raises(CorruptImage, match=f"checkpoint c is damaged: {entry.name} at offset {MiB}"):
+            for piece in repo.file_data("c", entry, pool, ahead=3):
+                handed.append(bytes(piece))
+    assert b"".join(handed) == (image / entry.name).read_bytes()[:MiB]  # nothing of the bad chunk
+
+
+# -- real CRIU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(240)
+def test_a_process_restored_through_the_streamer_has_exactly_its_memory(
+    torpor: Torpor, tmp_path: Path
+) -> None:
+    repo, checkpoint, digest = hibernated_job(torpor, "streamed", 64)
+    lines = len(digests(torpor.log("streamed")))
+    folder = tmp_path / "restore"
+    manifest = repo.read(checkpoint, folder, skip=is_bulk)
+    with ThreadPoolExecutor(4) as pool:
+
+        def writer(entry: FileEntry) -> Writer:
+            def write(fd: int) -> None:
+                for piece in repo.file_data(checkpoint, entry, pool):
+                    write_all(fd, piece)
+
+            return write
+
+        writers = {entry.name: writer(entry) for entry in manifest.files if is_bulk(entry.name)}
+        assert writers and not any((folder / name).exists() for name in writers)
+        streamer = ImageStreamer(folder, writers)
+        streamer.start()
+        try:
+            pid = Criu(CRIU).restore(folder, tmp_path / "restore.log", folder / "restored.pid", stream=True)
+        finally:
+            streamer.stop()
+    try:
+        assert streamer.error is None and set(writers) <= set(streamer.served)
+        torpor.wait_for(
+            lambda: len(digests(torpor.log("streamed"))) >= lines + 2, what="digests after restore"
+        )
+        assert set(digests(torpor.log("streamed"))) == {digest}
+    finally:
+        os.kill(pid, signal.SIGKILL)
