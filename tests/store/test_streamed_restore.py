@@ -61,11 +61,17 @@ def _ask(conn: socket.socket, name: str) -> bytes | None:
 
 def _connect(folder: Path) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(str(folder / SOCKET_NAME))
+    fd = os.open(folder, os.O_PATH)
+    try:
+        conn.connect(f"/proc/self/fd/{fd}/{SOCKET_NAME}")  # CRIU connects from inside the folder
+    finally:
+        os.close(fd)
     return conn
 
 
 def test_files_come_from_the_folder_or_a_writer_and_others_do_not_exist(tmp_path: Path) -> None:
+    tmp_path = tmp_path / ("a-folder-whose-path-is-too-long-for-a-unix-socket-" * 3)
+    tmp_path.mkdir()
     (tmp_path / "core-1.img").write_bytes(b"core" * 1000)
     (tmp_path / ".torpor.json").write_text("{}")
     pages = os.urandom(3 * MiB + 4096)
@@ -145,7 +151,7 @@ def test_a_process_restored_through_the_streamer_has_exactly_its_memory(
 ) -> None:
     repo, checkpoint, digest = hibernated_job(torpor, "streamed", 64)
     lines = len(digests(torpor.log("streamed")))
-    folder = tmp_path / "restore"
+    folder = tmp_path / ("a-restore-folder-whose-path-is-too-long-for-a-unix-socket-" * 3)
     manifest = repo.read(checkpoint, folder, skip=is_bulk)
     with ThreadPoolExecutor(4) as pool:
 

@@ -164,6 +164,7 @@ class Criu:
         abandon_if: Callable[[], bool] | None = None,
         abandon_after: float = 10.0,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run criu; kill it if it outlives ``timeout``, or if ``abandon_if()`` stays true ``abandon_after`` s.
 
@@ -177,6 +178,7 @@ class Criu:
                 text=True,
                 stdin=subprocess.DEVNULL,
                 env=None if env is None else {**os.environ, **env},
+                cwd=cwd,
             )
         except FileNotFoundError as exc:
             raise CriuUnavailable(f"criu not found at {self.path}: run 'make setup'") from exc
@@ -360,13 +362,15 @@ class Criu:
         ``lazy``: memory comes from a running :meth:`start_lazy_pages` on the same folder.
         ``gate``: the tree is restored in full but not let run until the gate's verdict says so.
         ``stream``: every image file comes through an image streamer listening in ``images_dir``
-        (:mod:`torpor.adapters.imagestreamer`), not from the folder.
+        (:mod:`torpor.adapters.imagestreamer`), not from the folder. CRIU then runs in ``images_dir``
+        with ``--images-dir .``: it connects to the streamer by a path it makes from that argument, and
+        a socket path holds at most 107 bytes.
         """
         self.require()
         args = [
             "restore",
             "--images-dir",
-            str(images_dir),
+            "." if stream else str(images_dir),
             "--log-file",
             str(log_path),
             "-v4",
@@ -379,7 +383,9 @@ class Criu:
             *(["--stream"] if stream else []),
             *extra,
         ]
-        out = self._run(args, timeout=6 * 3600, env=gate.env() if gate else None)
+        out = self._run(
+            args, timeout=6 * 3600, env=gate.env() if gate else None, cwd=images_dir if stream else None
+        )
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             message = f"criu restore failed (exit status {out.returncode})"

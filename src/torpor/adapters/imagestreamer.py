@@ -9,6 +9,10 @@ and, for each file it wants, sends a request and reads the answer (``criu/img-st
 - if the file exists, CRIU sends the write end of a new pipe (``SCM_RIGHTS``, one byte of data) and
   reads the file from the read end until end of file, front to back, with no seeking.
 
+CRIU puts the socket's path together from ``--images-dir``, and a socket path holds at most 107 bytes:
+:meth:`Criu.restore <torpor.adapters.criu.Criu.restore>` therefore runs a streamed restore inside the
+folder with ``--images-dir .``, and the streamer binds through ``/proc/self/fd``.
+
 Confirmed against CRIU 4.2.1: a restore asks for each file once, in the order it restores, and asks for
 files an image may lack (``memfd.img``, ``tty-info.img``…), to which the answer is "no". It keeps the
 connection open until the tree runs, then closes it. A file cut short makes CRIU fail (it reads exactly
@@ -71,13 +75,17 @@ class ImageStreamer:
 
     def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        folder = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)
         try:
             self.path.unlink(missing_ok=True)
-            listener.bind(str(self.path))
+            # through the folder's fd: a socket path holds at most 107 bytes, a restore folder may not
+            listener.bind(f"/proc/self/fd/{folder}/{SOCKET_NAME}")
             listener.listen(1)
         except OSError:
             listener.close()
             raise
+        finally:
+            os.close(folder)
         self._listener = listener
         thread = threading.Thread(target=self._serve, name="image-streamer", daemon=True)
         self._threads.append(thread)
