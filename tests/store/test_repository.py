@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from torpor.core.store.backend import Backend
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.backend import Backend, FolderBackend
+from torpor.core.store.repository import Prestored, Repository, chunk_name
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
 
 from .conftest import same_files, write_image
@@ -187,3 +189,57 @@ def test_gc_while_checkpoints_are_written_loses_nothing(backend: Backend, tmp_pa
     for i in range(4):
         repo.read(f"w{i}", tmp_path / f"out{i}")
         assert same_files(tmp_path / f"w{i}", tmp_path / f"out{i}")
+
+
+def _dump_in_progress(full: Path, folder: Path, written: int, entries: int) -> Path:
+    """``full`` as CRIU leaves it mid-dump: ``written`` bytes of its pages file, its pagemap's head and
+    first ``entries`` entries (CRIU flushes the pagemap a few KiB at a time, behind the pages)."""
+    folder.mkdir()
+    (folder / "pages-1.img").write_bytes((full / "pages-1.img").read_bytes()[:written])
+    raw = (full / "pagemap-1.img").read_bytes()
+    pos = 8
+    for _ in range(1 + entries):
+        pos += 4 + int.from_bytes(raw[pos : pos + 4], "little")
+    (folder / "pagemap-1.img").write_bytes(raw[: pos + 3])  # and a few bytes of the next entry
+    return folder
+
+
+def _after(done: Callable[[], bool], limit: float = 10.0) -> Callable[[], bool]:
+    """A ``finished`` for prestore: the dump "ends" once ``done()`` (or after ``limit`` seconds)."""
+    deadline = time.monotonic() + limit
+    return lambda: done() or time.monotonic() > deadline
+
+
+def test_chunks_stored_during_the_dump_are_used_only_for_the_very_same_piece(tmp_path: Path) -> None:
+    backend = FolderBackend(tmp_path / "store")
+    repo = Repository(backend)
+    # a second mapping starts 512 KiB into a window: guessing that the first one goes on cuts it wrongly
+    full = write_image(
+        tmp_path / "full", {BASE: _random(3 * MiB), BASE + 64 * MiB + MiB // 2: _random(3 * MiB)}
+    )
+    dumping = _dump_in_progress(full, tmp_path / "dumping", written=5 * MiB, entries=1)
+    prestored: Prestored = {}
+    repo.prestore(dumping, prestored, finished=_after(lambda: len(prestored) >= 4))
+    # the first mapping's three windows, and one guessed window of the second (the last one is left)
+    assert sorted(prestored) == [("pages-1.img", n * MiB, MiB) for n in range(4)]
+    manifest = repo.write("c", "job", full, {}, prestored=prestored)
+    assert manifest.sizes["prestored"] == 3 * MiB
+    repo.read("c", tmp_path / "out")
+    assert same_files(full, tmp_path / "out")
+    assert repo.gc().chunks_deleted == 1  # the chunk of the wrong guess
+
+
+def test_a_chunk_stored_during_the_dump_then_lost_is_stored_again(tmp_path: Path) -> None:
+    backend = FolderBackend(tmp_path / "store")
+    repo = Repository(backend)
+    full = write_image(tmp_path / "full", {BASE: _random(4 * MiB)})
+    prestored: Prestored = {}
+    dumping = _dump_in_progress(full, tmp_path / "dumping", 4 * MiB, 1)
+    repo.prestore(dumping, prestored, _after(lambda: len(prestored) >= 3))  # the last piece is left
+    lost, _ = prestored[("pages-1.img", 0, MiB)]
+    assert lost is not None
+    backend.delete(chunk_name(lost))  # e.g. gc ran between the dump and the write
+    manifest = repo.write("c", "job", full, {}, prestored=prestored)
+    assert manifest.sizes["prestored"] == 2 * MiB
+    repo.read("c", tmp_path / "out")
+    assert same_files(full, tmp_path / "out")

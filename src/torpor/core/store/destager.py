@@ -1,8 +1,9 @@
 """The destager: a detached process that moves staged images from the hot tier into the cold tier.
 
-A checkpoint starts one as its dump begins — it waits for the dump, so that its start-up is not on
-the way to durable — and ``put`` starts another (``wait_durable`` too, if none runs); it survives the CLI
-and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
+A checkpoint starts one as its dump begins, so that its start-up is not on the way to durable; while
+CRIU still writes the image, it stores the chunks CRIU has written (``Repository.prestore``), on one
+core, and destages the rest once the dump is committed. ``put`` starts another destager
+(``wait_durable`` too, if none runs); it survives the CLI and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
 newly started one waits for it, then looks again — so no staged image is ever left behind by a race.
 
 Crash recovery is the normal path: a destager killed mid-way leaves its image staged in the hot tier and
@@ -13,14 +14,17 @@ destager stores it again (chunks already stored are skipped) and removes leftove
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
-from torpor.core.store.hot import HotRecord
+from torpor.core.store.hot import HotRecord, owner_alive
+from torpor.core.store.repository import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
 from torpor.settings import Settings
@@ -33,7 +37,7 @@ def _log(text: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} destager {os.getpid()}: {text}", flush=True)
 
 
-def destage(store: TieredStore, record: HotRecord) -> None:
+def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None = None) -> None:
     hot, repo = store.hot, store.repo
     total = record.size
     hot.update(record.id, state=DESTAGING, done_bytes=0, error=None)
@@ -55,6 +59,7 @@ def destage(store: TieredStore, record: HotRecord) -> None:
             record.meta,
             progress=progress,
             skip=lambda name: name not in record.files,
+            prestored=prestored,
         )
     if hot.record(record.id) is None:  # deleted while we stored it
         repo.delete(record.id)
@@ -74,6 +79,14 @@ def destage(store: TieredStore, record: HotRecord) -> None:
         _log(f"{record.id} ({record.job}) hibernated: dropped its RAM copy")
 
 
+def _dump_over(partial: Path, deadline: float) -> bool:
+    """Whether a dump into ``partial`` is complete (renamed), failed (gone, or its owner died) or too long."""
+    try:
+        return not owner_alive(partial) or time.monotonic() > deadline
+    except OSError:
+        return True
+
+
 def run(store: TieredStore) -> int:
     try:
         fd = os.open(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
@@ -87,18 +100,34 @@ def run(store: TieredStore) -> int:
             _log(f"removing leftover {leftover.name}")
             shutil.rmtree(leftover, ignore_errors=True)
         failed: set[str] = set()
+        ahead: dict[str, Prestored] = {}  # by checkpoint id
         # waiting for a dump longer than this is not worth a process: ``put`` starts another destager
         linger_until = time.monotonic() + LINGER_S
         while True:
             pending = [r for r in store.hot.records() if r.state != DURABLE and r.id not in failed]
             if not pending:
-                if time.monotonic() < linger_until and store.hot.dumps_in_progress():
-                    time.sleep(0.02)  # started by a checkpoint whose dump is still being written
+                dumps = store.hot.dumps_in_progress() if time.monotonic() < linger_until else []
+                if not dumps:
+                    break
+                # started by a checkpoint whose dump is still being written: store what CRIU wrote so far
+                partial = dumps[0]
+                checkpoint_id = partial.name.removesuffix(".partial")
+                if checkpoint_id in ahead:
+                    time.sleep(0.02)  # done with this one: wait for its commit (or another dump)
                     continue
-                break
+                prestored = ahead[checkpoint_id] = {}
+                try:
+                    store.repo.prestore(
+                        partial,
+                        prestored,
+                        finished=functools.partial(_dump_over, partial, linger_until),
+                    )
+                except (TorporError, OSError) as exc:  # only a head start: destaging says what is wrong
+                    _log(f"{checkpoint_id}: storing while it is dumped failed: {exc}")
+                continue
             record = pending[0]
             try:
-                destage(store, record)
+                destage(store, record, ahead.pop(record.id, None))
             except FileNotFoundError:
                 _log(f"{record.id} vanished from the hot tier while it was stored (deleted)")
                 failed.add(record.id)

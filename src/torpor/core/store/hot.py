@@ -165,16 +165,17 @@ class HotTier:
             return None if exc.errno == 28 else _raise(exc, self.root)
         return partial
 
-    def dumps_in_progress(self) -> bool:
-        """Whether a process that is alive (its ``.owner`` says so) is dumping into this tier now."""
+    def dumps_in_progress(self) -> list[Path]:
+        """The folders a process that is alive (its ``.owner`` says so) is dumping into now."""
         if not self.root.is_dir():
-            return False
+            return []
+        found = []
         for entry in self.root.iterdir():
             if entry.name.endswith(".partial"):
                 with contextlib.suppress(OSError, ValueError):
                     if system.is_alive(int((entry / OWNER).read_text())):
-                        return True
-        return False
+                        found.append(entry)
+        return found
 
     def owns(self, image_dir: Path) -> bool:
         return image_dir.parent == self.root and image_dir.name.endswith(".partial")

@@ -51,22 +51,31 @@ class Pagemap:
         return sum(run.nr_pages for run in self.runs) * PAGE_SIZE
 
 
-def _records(raw: bytes) -> list[bytes]:
-    """The protobuf messages of a CRIU image: two u32 magics, then (u32 size, message) records."""
+def _records(raw: bytes, partial: bool = False) -> list[bytes]:
+    """The protobuf messages of a CRIU image: two u32 magics, then (u32 size, message) records.
+
+    ``partial``: the image is still being written; a record cut short at the end is left out.
+    """
     pos, out = 8, []
     while pos + 4 <= len(raw):
         size = int.from_bytes(raw[pos : pos + 4], "little")
         pos += 4
         if pos + size > len(raw):
+            if partial:
+                break
             raise ValueError("truncated record")
         out.append(raw[pos : pos + size])
         pos += size
     return out
 
 
-def read_pagemap(path: Path) -> Pagemap:
-    """Parse one ``pagemap-*.img``; raises ValueError if it is not one we understand."""
-    records = _records(path.read_bytes())
+def read_pagemap(path: Path, partial: bool = False) -> Pagemap:
+    """Parse one ``pagemap-*.img``; raises ValueError if it is not one we understand.
+
+    ``partial``: CRIU is still writing it (it flushes whole entries, a few KiB at a time); the entries
+    written so far.
+    """
+    records = _records(path.read_bytes(), partial)
     if not records:
         raise ValueError(f"{path.name} has no pagemap head")
     head = _fields(records[0])

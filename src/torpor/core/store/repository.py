@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,12 @@ T = TypeVar("T")
 
 #: (bytes done, bytes in all)
 ProgressFn = Callable[[int, int], None]
+
+#: a piece of an image file: (file name, offset, length)
+Piece = tuple[str, int, int]
+#: chunks stored while CRIU still wrote the image (:meth:`Repository.prestore`): piece -> (chunk, or
+#: None for zeros; bytes newly stored)
+Prestored = dict[Piece, tuple[ChunkId | None, int]]
 
 
 def _no_progress(done: int, total: int) -> None:
@@ -147,13 +153,15 @@ class Repository:
         meta: Mapping[str, Any],
         progress: ProgressFn = _no_progress,
         skip: Callable[[str], bool] = lambda _: False,
+        prestored: Prestored | None = None,
     ) -> Manifest:
         """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last.
 
-        A file of the image that vanished raises FileNotFoundError (the image was deleted meanwhile).
+        ``prestored``: what :meth:`prestore` did while CRIU wrote this image. A file of the image that
+        vanished raises FileNotFoundError (the image was deleted meanwhile).
         """
         try:
-            return self._write(checkpoint_id, job, image_dir, meta, progress, skip)
+            return self._write(checkpoint_id, job, image_dir, meta, progress, skip, prestored or {})
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -167,36 +175,31 @@ class Repository:
         meta: Mapping[str, Any],
         progress: ProgressFn,
         skip: Callable[[str], bool],
+        prestored: Prestored,
     ) -> Manifest:
         self.open()
         started = time.monotonic()
         plans = plan_image(image_dir, self.chunk_size, skip)
         total = sum(plan.size for plan in plans)
-        zero = bytes(self.chunk_size)
-        claimed: set[bytes] = set()
         guard = threading.Lock()
-        counters = {"done": 0, "zero": 0, "new_chunks": 0, "new_bytes": 0}
+        counters = {"done": 0, "zero": 0, "new_chunks": 0, "new_bytes": 0, "prestored": 0}
 
         with self.lock.hold(SHARED, timeout=600) as held:
-            known = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
+            storer = _Storer(self)
 
-            def one(view: memoryview, offset: int, length: int) -> Extent:
+            def one(view: memoryview, name: str, offset: int, length: int) -> Extent:
                 data = view[offset : offset + length]
                 if len(data) != length:
                     raise StoreError(f"{image_dir} changed while it was being stored")
-                chunk: ChunkId | None = None
-                new = 0
-                if not _all_zero(data, zero):
-                    digest = self.codec.digest(data)
-                    chunk = ChunkId(digest.hex())
-                    with guard:
-                        fresh = chunk not in known and digest not in claimed
-                        claimed.add(digest)
-                    if fresh:
-                        header, payload = self.codec.encode_parts(KIND_CHUNK, data, digest)
-                        self.backend.store(chunk_name(chunk), header, payload)
-                        new = len(header) + len(payload)
+                ahead = prestored.get((name, offset, length))
+                if ahead is not None and (ahead[0] is None or ahead[0] in storer.known):
+                    chunk, new = ahead  # the same bytes, hashed (and stored) while CRIU wrote them
+                else:
+                    ahead = None
+                    chunk, new = storer.store(data)
                 with guard:
+                    if ahead is not None:
+                        counters["prestored"] += length
                     counters["done"] += length
                     if chunk is None:
                         counters["zero"] += length
@@ -212,7 +215,8 @@ class Repository:
                     # mapped, not read: the chunks are hashed, compressed and written from the hot tier's
                     # pages without a copy
                     extents: list[Extent] = []
-                    results = _over_mapping(pool, image_dir / plan.name, plan.size, one, plan.pieces)
+                    calls = [(plan.name, offset, length) for offset, length in plan.pieces]
+                    results = _over_mapping(pool, image_dir / plan.name, plan.size, one, calls)
                     with contextlib.closing(results):
                         for extent in results:
                             extents.append(extent)
@@ -241,6 +245,7 @@ class Repository:
                     "unique_chunks": len(set(chunks)),
                     "new_chunks": counters["new_chunks"],
                     "new_bytes": counters["new_bytes"],
+                    "prestored": counters["prestored"],
                     "destage_s": round(time.monotonic() - started, 4),
                     "sync_s": round(sync_s, 4),
                 },
@@ -251,6 +256,65 @@ class Repository:
             self.backend.sync()
         progress(total, total)
         return manifest
+
+    def prestore(
+        self, image_dir: Path, prestored: Prestored, finished: Callable[[], bool], workers: int = 1
+    ) -> None:
+        """Store the chunks of a dump still in progress that CRIU has written already (best effort).
+
+        CRIU writes a process's pages file front to back and flushes its pagemap in blocks of a few KiB,
+        a little behind. Each scan takes the pieces of every pages file that its pagemap so far places
+        (all but the last one, which may still grow) and whose bytes are in the file, and hashes and
+        stores them in ``workers`` threads of the lowest CPU priority (CRIU is freezing the job: it
+        must not wait for a core).
+        ``prestored`` notes each piece's chunk for :meth:`write`, which uses a note only for the very
+        same piece of the same file, and only if the chunk is still in the store then. Returns once
+        ``finished()`` (the dump is complete or gone); pieces not begun by then are left to ``write``.
+        """
+        self.open()
+        fds: dict[str, int] = {}
+        pending: dict[Piece, Future[tuple[ChunkId | None, int]]] = {}
+        local = threading.local()
+
+        def one(fd: int, offset: int, length: int) -> tuple[ChunkId | None, int]:
+            buffer = getattr(local, "buffer", None)
+            if buffer is None or len(buffer) < length:
+                buffer = local.buffer = bytearray(max(length, self.chunk_size))
+            view = memoryview(buffer)[:length]
+            if os.preadv(fd, [view], offset) != length:
+                raise StoreError("a pages file shrank while it was being written")
+            return storer.store(view)
+
+        def collect() -> None:
+            for piece, future in list(pending.items()):
+                if future.done():
+                    del pending[piece]
+                    if not future.cancelled() and future.exception() is None:
+                        prestored[piece] = future.result()
+
+        with self.lock.hold(SHARED, timeout=600) as held:
+            storer = _Storer(self)
+            pool = ThreadPoolExecutor(
+                max(1, workers), thread_name_prefix="prestore", initializer=_idle_priority
+            )
+            try:
+                while True:
+                    over = finished()  # before the scan: a scan after the end sees everything
+                    for name, pieces in _written_pieces(image_dir, self.chunk_size, fds):
+                        for offset, length in pieces:
+                            piece = (name, offset, length)
+                            if piece not in prestored and piece not in pending:
+                                pending[piece] = pool.submit(one, fds[name], offset, length)
+                    collect()
+                    if over or not image_dir.is_dir():
+                        break
+                    held.refresh()
+                    time.sleep(0.01)
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+                collect()
+                for fd in fds.values():
+                    os.close(fd)
 
     # -- reading --------------------------------------------------------------------------------------
 
@@ -457,6 +521,73 @@ class Repository:
     def close(self) -> None:
         with contextlib.suppress(StoreError):
             self.backend.close()
+
+
+def _idle_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19; Linux sets it per thread)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class _Storer:
+    """Hashes pieces of an image and stores each chunk the store lacks, once (thread-safe)."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        #: the chunks in the store when this began (listed under the writers' lock: gc cannot drop them)
+        self.known = {name.rsplit("/", 1)[-1] for name in repo.backend.list("chunks")}
+        self._claimed: set[bytes] = set()
+        self._guard = threading.Lock()
+        self._zero = bytes(repo.chunk_size)
+
+    def store(self, data: memoryview) -> tuple[ChunkId | None, int]:
+        """(chunk, bytes newly stored); (None, 0) for all zeros, which cost nothing."""
+        if _all_zero(data, self._zero):
+            return None, 0
+        codec = self.repo.codec
+        digest = codec.digest(data)
+        chunk = ChunkId(digest.hex())
+        with self._guard:
+            fresh = chunk not in self.known and digest not in self._claimed
+            self._claimed.add(digest)
+        if not fresh:
+            return chunk, 0
+        header, payload = codec.encode_parts(KIND_CHUNK, data, digest)
+        self.repo.backend.store(chunk_name(chunk), header, payload)
+        return chunk, len(header) + len(payload)
+
+
+def _written_pieces(
+    image_dir: Path, chunk_size: int, fds: dict[str, int]
+) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """For a dump in progress: each pages file's pieces, as far as they are written (see ``prestore``).
+
+    The pagemap lags behind the pages file, so the pages written past what it accounts for are taken
+    to go on from its last run (as they do within one mapping: most of a big process's memory). A
+    wrong guess costs only work: :meth:`Repository.write` uses what was stored for a piece only if the
+    complete pagemap cuts the very same piece of the file. The last piece is left out (it may grow).
+    Opens each pages file once into ``fds`` (it is read from there, even after the folder is renamed).
+    """
+    for path in sorted(image_dir.glob("pagemap-*.img")):
+        try:
+            so_far = pagemap.read_pagemap(path, partial=True)
+            name = so_far.pages_file
+            if name not in fds:
+                fds[name] = os.open(image_dir / name, os.O_RDONLY)
+            written = os.fstat(fds[name]).st_size
+        except (OSError, ValueError, IndexError):
+            continue  # not begun yet, or gone: the next scan (or write) sees it
+        runs = list(so_far.runs)
+        if runs and written > so_far.size:
+            last = runs[-1]
+            guess = (written - so_far.size) // pagemap.PAGE_SIZE
+            runs.append(
+                pagemap.PageRun(
+                    last.vaddr + last.nr_pages * pagemap.PAGE_SIZE, guess, so_far.size, last.flags
+                )
+            )
+        pieces = pagemap.cuts(pagemap.Pagemap(so_far.pages_id, tuple(runs)), chunk_size)[:-1]
+        yield name, [(offset, length) for offset, length in pieces if offset + length <= written]
 
 
 def verify_extents(
