@@ -36,6 +36,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -103,8 +104,9 @@ class ImageStreamer:
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
         for thread in list(self._threads):
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -2,9 +2,10 @@
 
 A checkpoint starts one as its dump begins, so that its start-up is not on the way to durable; while
 CRIU still writes the image, it stores the chunks CRIU has written (``Repository.prestore``), on one
-core, and destages the rest once the dump is committed. ``put`` starts another destager
-(``wait_durable`` too, if none runs); it survives the CLI and the job's launcher. At most one works per hot tier: it holds ``destager.lock`` (flock), and a
-newly started one waits for it, then looks again — so no staged image is ever left behind by a race.
+idle-priority thread, and destages the rest once the dump is committed. ``put`` starts another
+destager (``wait_durable`` too, if none runs); it survives the CLI and the job's launcher. At most one
+works per hot tier: it holds ``destager.lock`` (flock), and a newly started one waits for it, then
+looks again — so no staged image is ever left behind by a race.
 
 Crash recovery is the normal path: a destager killed mid-way leaves its image staged in the hot tier and
 some chunks in the cold tier, but no manifest, so the image is never listed as durable there. The next
@@ -110,11 +111,12 @@ def run(store: TieredStore) -> int:
                 if not dumps:
                     break
                 # started by a checkpoint whose dump is still being written: store what CRIU wrote so far
-                partial = dumps[0]
-                checkpoint_id = partial.name.removesuffix(".partial")
-                if checkpoint_id in ahead:
-                    time.sleep(0.02)  # done with this one: wait for its commit (or another dump)
+                fresh = [d for d in dumps if d.name.removesuffix(".partial") not in ahead]
+                if not fresh:
+                    time.sleep(0.02)  # done with these: wait for their commits (or another dump)
                     continue
+                partial = fresh[0]
+                checkpoint_id = partial.name.removesuffix(".partial")
                 prestored = ahead[checkpoint_id] = {}
                 try:
                     store.repo.prestore(

@@ -164,10 +164,12 @@ class TieredStore:
     # -- reading --------------------------------------------------------------------------------------
 
     def restore_dir(self, checkpoint_id: str) -> Path:
-        """In the hot tier when the image is there (links, no copy) or fits; on disk otherwise."""
+        """In the hot tier when the image is there (links, no copy) or what a restore writes fits; else on disk."""
         if self.hot.record(checkpoint_id) is None:
+            streamed = is_bulk if self.settings.stream_restore else lambda _: False
             try:
-                need = self.repo.manifest(checkpoint_id).size
+                # a streamed restore writes only the small files here: the pages go straight to CRIU
+                need = sum(e.size for e in self.repo.manifest(checkpoint_id).files if not streamed(e.name))
             except StoreError:
                 need = 0  # get() will say what is wrong
             if not self.hot.make_room(need):
