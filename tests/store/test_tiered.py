@@ -65,10 +65,12 @@ def test_a_dump_that_does_not_fit_goes_straight_to_the_cold_tier(settings: Setti
     image = store.put("big", "job", staging, {})
     assert image.state == DURABLE and not staging.exists()
     assert store.hot.record("big") is None
-    # nor is it restored through RAM
-    dest = store.restore_dir("big")
+    # nor is it restored through RAM, unless only its small files go there (a streamed restore)
+    assert store.restore_dir("big").parent == settings.hot_path
+    whole = TieredStore(dataclasses.replace(store.settings, stream_restore=False))
+    dest = whole.restore_dir("big")
     assert dest.parent == settings.tmp_dir
-    store.get("big", dest)
+    whole.get("big", dest)
     assert (dest / "pages-1.img").stat().st_size == 3 * MiB
 
 
