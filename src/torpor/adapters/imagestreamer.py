@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from torpor.adapters.criu import _fields
+
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "streamer-serve.sock"
@@ -178,7 +180,11 @@ class ImageStreamer:
         body = _read_exactly(conn, length)
         if body is None:
             return None
-        return _decode_filename(body)
+        try:
+            name = _fields(body).get(1)  # img_streamer_request_entry.filename
+        except (ValueError, IndexError):
+            return None  # not a request: end the session (CRIU then fails)
+        return name.decode(errors="surrogateescape") if isinstance(name, bytes) else None
 
 
 def splice_file(path: Path, fd: int) -> None:
@@ -210,37 +216,6 @@ def _reply(exists: bool) -> bytes:
     """A length-prefixed ``img_streamer_reply_entry``: field 1, a varint (key byte 0x08), 0 or 1."""
     body = bytes([1 << 3, int(exists)])
     return _LENGTH.pack(len(body)) + body
-
-
-def _decode_filename(body: bytes) -> str | None:
-    """Field 1 (a string) of an ``img_streamer_request_entry``; None if the message has none."""
-    at = 0
-    while at < len(body):
-        key, at = _read_varint(body, at)
-        kind = key & 7
-        if kind == 2:
-            length, at = _read_varint(body, at)
-            value, at = body[at : at + length], at + length
-            if key >> 3 == 1:
-                return value.decode(errors="surrogateescape")
-        elif kind == 0:
-            _, at = _read_varint(body, at)
-        else:
-            return None
-    return None
-
-
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data):
-            raise OSError("a truncated message from criu")
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, at
 
 
 def _receive_fd(conn: socket.socket) -> int:
