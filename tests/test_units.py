@@ -5,6 +5,7 @@ round trips across the launcher boundary, and the CLI's help and rendering.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from conftest import TORPOR
 from torpor.adapters import criu
 from torpor.apps import cli
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
-from torpor.errors import CheckpointNotFound, JobNotFound, RestoreFailed, UsageError, WrongState, from_dict
+from torpor.errors import (
+    CheckpointFailed,
+    CheckpointNotFound,
+    JobNotFound,
+    RestoreFailed,
+    UsageError,
+    WrongState,
+    from_dict,
+)
 
 # -- records ------------------------------------------------------------------------------------------
 
@@ -194,3 +203,49 @@ def test_every_command_has_help(command: str) -> None:
 def test_bad_flag_is_a_one_line_usage_error() -> None:
     result = subprocess.run([TORPOR, "ps", "--bogus"], capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+
+
+FAKE_CRIU = """#!/bin/sh
+# a stand-in for criu: its dumps fail as CRIU's do when a process of the tree is exiting ($FAILS times)
+[ "$1" = --version ] && { echo 'Version: 4.2.1'; exit 0; }
+while [ $# -gt 0 ]; do
+    case "$1" in --images-dir) dir=$2; shift ;; --log-file) log=$2; shift ;; esac
+    shift
+done
+echo x >> "$dir/../attempts"
+echo partial > "$dir/core-1.img"
+if [ "$(wc -l < "$dir/../attempts")" -le "$FAILS" ]; then
+    echo "(00.058879) Error (criu/seize.c:882): $ERROR" > "$log"
+    exit 1
+fi
+echo "(00.1) Dumping finished successfully" > "$log"
+"""
+
+
+@pytest.mark.parametrize(
+    ("error", "fails", "attempts", "ok"),
+    [
+        ("Zombies with threads are not supported", 1, 2, True),  # a DataLoader worker exiting
+        ("Zombies with threads are not supported", 9, criu.DUMP_ATTEMPTS, False),
+        ("Can't dump a process with an unsupported file", 1, 1, False),  # not passing: no retry
+    ],
+)
+def test_a_dump_that_met_an_exiting_process_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: str, fails: int, attempts: int, ok: bool
+) -> None:
+    fake = tmp_path / "criu"
+    fake.write_text(FAKE_CRIU)
+    fake.chmod(0o755)
+    monkeypatch.setenv("ERROR", error)
+    monkeypatch.setenv("FAILS", str(fails))
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / ".owner").write_text("1")
+    dump = criu.Criu(fake)
+    if ok:
+        dump.dump(os.getpid(), images, tmp_path / "dump.log", leave_running=True)
+    else:
+        with pytest.raises(CheckpointFailed, match="criu dump failed"):
+            dump.dump(os.getpid(), images, tmp_path / "dump.log", leave_running=True)
+    assert (tmp_path / "attempts").read_text().count("x") == attempts
+    assert (images / ".owner").exists()  # torpor's own files survive a retry
