@@ -447,7 +447,8 @@ def main() -> int:
         "pages is verified before CRIU starts, the pages while CRIU reads them, and a CRIU action script "
         "holds the restored job at its post-restore step until the verdict. Cold tier: `criu restore "
         "--stream` reads every file from torpor's image streamer; the pages come straight from the "
-        "store's chunk files, each verified before it goes into CRIU's pipe, with no copy in RAM first. "
+        "store's chunk files: each is read into a small ring of buffers, verified there, and lent to "
+        "CRIU's pipe by reference (vmsplice), so CRIU copies it once, into the process. "
         "The job's launcher is forked from the CLI, not started as a new interpreter.",
         "- *Lazy restore*: only what CRIU reads itself is fetched first (a few MiB); the job then runs "
         "while torpor's page server answers CRIU's lazy-pages daemon chunk by chunk from the store, each "

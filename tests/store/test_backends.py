@@ -19,6 +19,18 @@ def test_store_then_load_gives_the_bytes_back(backend: Backend) -> None:
     assert backend.exists("chunks/ab/abcd")
 
 
+def test_load_into_gives_the_same_bytes_in_the_buffer_or_new(backend: Backend) -> None:
+    backend.store("chunks/ab/abcd", b"hello", b" world")
+    buffer = memoryview(bytearray(64))
+    got = backend.load_into("chunks/ab/abcd", buffer)
+    assert bytes(got) == b"hello world"
+    if isinstance(got, memoryview):  # read into the buffer: its front, nothing else
+        assert got.obj is buffer.obj and bytes(buffer[:11]) == b"hello world"
+    assert bytes(backend.load_into("chunks/ab/abcd", memoryview(bytearray(4)))) == b"hello world"  # too big
+    with pytest.raises(ObjectNotFound):
+        backend.load_into("chunks/ab/nope", buffer)
+
+
 def test_store_replaces_an_object(backend: Backend) -> None:
     backend.store("manifests/x", b"one")
     backend.store("manifests/x", b"two, longer")

@@ -10,10 +10,12 @@ the job never running) are in test_checkpoints.py, for both ways of restoring.
 from __future__ import annotations
 
 import array
+import mmap
 import os
 import signal
 import socket
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,11 +25,12 @@ import pytest
 from conftest import Torpor
 from torpor.adapters.criu import Criu
 from torpor.adapters.imagestreamer import SOCKET_NAME, ImageStreamer, Writer
+from torpor.adapters.pipefeed import PipeFeed
 from torpor.adapters.system import write_all
 from torpor.core.store.backend import Backend, FolderBackend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.repository import ZEROS, Repository, chunk_name
 from torpor.errors import CorruptImage
 
 from .conftest import write_image
@@ -141,6 +144,102 @@ def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(tmp_p
     assert b"".join(handed) == (image / entry.name).read_bytes()[:MiB]  # nothing of the bad chunk
 
 
+def test_chunk_into_puts_a_verified_chunk_on_a_page_boundary_of_the_buffer(tmp_path: Path) -> None:
+    random = os.urandom(MiB)
+    compressible = b"torpor " * (MiB // 7) + b"x" * (MiB % 7)
+    for key in (None, os.urandom(32)):  # plain chunks are read in place; sealed ones decrypted into it
+        backend = FolderBackend(tmp_path / f"store-{key is not None}")
+        repo = Repository(backend, key)
+        image = write_image(tmp_path / "img", {BASE: random + compressible})
+        repo.write("c", "job", image, {})
+        entry = next(f for f in repo.manifest("c").files if is_bulk(f.name))
+        buffer = memoryview(mmap.mmap(-1, MiB + 2 * mmap.PAGESIZE))
+        for (offset, length, chunk), expected in zip(entry.extents, (random, compressible), strict=True):
+            assert chunk is not None and length == MiB
+            got = repo.chunk_into("c", chunk, length, buffer, f"pages at {offset}")
+            assert got.obj is buffer.obj and bytes(buffer[mmap.PAGESIZE : mmap.PAGESIZE + MiB]) == expected
+        with pytest.raises(ValueError, match="cannot hold"):
+            repo.chunk_into("c", chunk, length, buffer[: MiB + 100])
+        name = chunk_name(chunk)
+        blob = bytearray(backend.load(name))
+        blob[-10] ^= 0x01
+        backend.store(name, bytes(blob))
+        with pytest.raises(CorruptImage, match="checkpoint c is damaged: pages at 1048576"):
+            repo.chunk_into("c", chunk, length, buffer, "pages at 1048576")
+
+
+# -- the pipe, filled by reference -------------------------------------------------------------------
+
+
+def _slow_reader(read_end: int, into: bytearray, pause: float) -> threading.Thread:
+    def read() -> None:
+        while piece := os.read(read_end, 24 * 1024):
+            into.extend(piece)
+            time.sleep(pause)
+        os.close(read_end)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread
+
+
+def test_a_pipe_feed_hands_over_every_byte_while_it_reuses_its_buffers() -> None:
+    """Many more buffers than the ring holds, read slowly: a slot lent again too early would show."""
+    read_end, write_end = os.pipe()  # 64 KiB: the ring has 2 + 2 slots of 32 KiB
+    got = bytearray()
+    reader = _slow_reader(read_end, got, 0.001)
+    sent = bytearray()
+    feed = PipeFeed(write_end, 32 * 1024, spare=2)
+    ahead = [feed.buffer(), feed.buffer()]  # filled ahead of the one put next, as file_data does
+    for i in range(60):
+        buffer = ahead.pop(0)
+        length = 1 + (i * 7919) % len(buffer)
+        buffer[:length] = bytes([i % 251]) * length
+        feed.put(buffer[:length])
+        sent += buffer[:length]
+        if i % 9 == 0:
+            feed.put_zeros(5000)
+            sent += bytes(5000)
+        ahead.append(feed.buffer())
+    feed.finish()
+    assert feed.written == len(sent)
+    os.close(write_end)
+    reader.join()
+    assert got == sent
+
+
+def test_a_pipe_feed_takes_only_its_own_memory_and_lends_no_more_than_it_has() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        feed = PipeFeed(write_end, 4096, spare=1)
+        with pytest.raises(ValueError, match=r"only memory from PipeFeed\.buffer"):
+            feed.put(memoryview(bytearray(100)))
+        lent = [feed.buffer() for _ in range(feed.capacity // 4096 + 1)]
+        with pytest.raises(RuntimeError, match="buffers lent and not put"):
+            feed.buffer()
+        feed.put(lent[0][:10])
+        assert os.read(read_end, 100) == bytes(10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_pipe_feed_whose_reader_went_away_raises_broken_pipe() -> None:
+    read_end, write_end = os.pipe()
+    feed = PipeFeed(write_end, 4096)
+    buffer = feed.buffer()
+    buffer[:5] = b"hello"
+    feed.put(buffer[:5])
+    os.close(read_end)  # gone before it read anything
+    try:
+        with pytest.raises(BrokenPipeError):
+            feed.finish()
+        with pytest.raises(BrokenPipeError):
+            feed.put_zeros(10)
+    finally:
+        os.close(write_end)
+
+
 # -- real CRIU -----------------------------------------------------------------------------------------
 
 
@@ -156,9 +255,14 @@ def test_a_process_restored_through_the_streamer_has_exactly_its_memory(
     with ThreadPoolExecutor(4) as pool:
 
         def writer(entry: FileEntry) -> Writer:
-            def write(fd: int) -> None:
-                for piece in repo.file_data(checkpoint, entry, pool):
-                    write_all(fd, piece)
+            def write(fd: int) -> None:  # as the cold tier does: chunks verified in the pipe's buffers
+                feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=9)
+                for piece in repo.file_data(checkpoint, entry, pool, 8, feed.buffer):
+                    if isinstance(piece, memoryview) and piece.obj is ZEROS:
+                        feed.put_zeros(len(piece))
+                    else:
+                        feed.put(memoryview(piece))
+                feed.finish()
 
             return write
 

@@ -148,6 +148,10 @@ class RestoreGate:
             return "no verdict: the verifying process is gone"
 
 
+#: what ``criu --version`` said, by (path, inode, mtime, size) of the binary
+_VERSIONS: dict[tuple[Path, int, int, int] | None, CriuInfo] = {}
+
+
 class Criu:
     """A criu binary, checked to be new enough before it is used."""
 
@@ -207,17 +211,30 @@ class Criu:
                 return subprocess.CompletedProcess(proc.args, -9, stdout, stderr + f"\ncriu {why}; killed")
 
     def info(self) -> CriuInfo:
-        """Version of this criu; raises :class:`CriuUnavailable` if it is older than 4.2."""
-        if self._info is None:
-            out = self._run(["--version"])
-            match = re.search(r"Version:\s*([0-9][0-9.]*)", out.stdout)
-            if out.returncode != 0 or not match:
-                raise CriuUnavailable(
-                    f"{self.path} --version failed: {(out.stderr or out.stdout).strip()[:200]}"
-                )
-            version = match.group(1)
-            parts = tuple(int(p) for p in version.split(".") if p.isdigit())
-            self._info = CriuInfo(self.path, version, parts)
+        """Version of this criu; raises :class:`CriuUnavailable` if it is older than 4.2.
+
+        Asked once per binary and process (a launcher, forked from the CLI, knows it too): running
+        ``criu --version`` takes milliseconds, which a restore would otherwise spend twice.
+        """
+        if self._info is not None:
+            return self._info
+        try:
+            stat = self.path.stat()
+            key: tuple[Path, int, int, int] | None = (self.path, stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            key = None
+        if key in _VERSIONS:
+            self._info = _VERSIONS[key]
+            return self._info
+        out = self._run(["--version"])
+        match = re.search(r"Version:\s*([0-9][0-9.]*)", out.stdout)
+        if out.returncode != 0 or not match:
+            raise CriuUnavailable(f"{self.path} --version failed: {(out.stderr or out.stdout).strip()[:200]}")
+        version = match.group(1)
+        parts = tuple(int(p) for p in version.split(".") if p.isdigit())
+        self._info = CriuInfo(self.path, version, parts)
+        if key is not None:
+            _VERSIONS[key] = self._info
         return self._info
 
     def require(self) -> CriuInfo:

@@ -22,6 +22,8 @@ _FULL = {"QuotaExceeded", "XMinioStorageFull", "EntityTooLarge", "InsufficientSt
 
 
 class S3Backend:
+    remote = True
+
     def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, workers: int = 8) -> None:
         if not bucket:
             raise StoreError("an S3 store URL needs a bucket: s3://BUCKET[/PREFIX]")
@@ -87,6 +89,10 @@ class S3Backend:
             return data
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise self._error(exc, name) from exc
+
+    def load_into(self, name: str, buffer: memoryview) -> bytes:
+        """New bytes always: boto3 reads a body into memory of its own."""
+        return self.load(name)
 
     def exists(self, name: str) -> bool:
         try:

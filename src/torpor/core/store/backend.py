@@ -6,7 +6,9 @@ contract test suite, ``tests/store/test_backends.py``):
 
 * ``store`` is atomic: a reader sees the old object, no object, or the whole new one — never a part;
   once ``sync`` returns, every object stored before it survives a crash;
-* ``load`` of a missing object raises :class:`~torpor.errors.ObjectNotFound`;
+* ``load`` of a missing object raises :class:`~torpor.errors.ObjectNotFound`; ``load_into`` gives the
+  same bytes, as a part of the caller's buffer (a memoryview) where the backend read them into it, or
+  as new bytes;
 * ``delete`` of a missing object is not an error;
 * ``list(folder)`` yields every object name under ``folder/`` (recursively), in no particular order;
 * failures are torpor errors (:class:`~torpor.errors.StorageFull` when there is no room), with the
@@ -35,6 +37,8 @@ from torpor.errors import ObjectNotFound, StorageFull, StoreError, UsageError
 
 class Backend(Protocol):
     url: str
+    #: each load is a round trip over a network: worth asking for many objects at once
+    remote: bool
 
     def create(self) -> None:
         """Make the container (folder, bucket prefix) if it is missing; idempotent."""
@@ -44,6 +48,9 @@ class Backend(Protocol):
 
     def load(self, name: str) -> bytes:
         """The bytes of object ``name``."""
+
+    def load_into(self, name: str, buffer: memoryview) -> memoryview | bytes:
+        """The bytes of object ``name``: the front of ``buffer`` if they were read into it, else new bytes."""
 
     def exists(self, name: str) -> bool: ...
 
@@ -80,6 +87,8 @@ class FolderBackend:
     journal commit for a thousand chunks instead of a thousand fsyncs, which cost more than the writing
     itself here. Where ``syncfs`` fails, :meth:`sync` fsyncs each object and each folder that gained one.
     """
+
+    remote = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -131,6 +140,30 @@ class FolderBackend:
             raise ObjectNotFound(f"{self.url} has no object {name}") from exc
         except OSError as exc:
             raise _error(exc, f"cannot read {name} from {self.root}") from exc
+
+    def load_into(self, name: str, buffer: memoryview) -> memoryview | bytes:
+        """Read into ``buffer`` (no new memory to touch) when the object fits in it."""
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"{self.url} has no object {name}") from exc
+        except OSError as exc:
+            raise _error(exc, f"cannot read {name} from {self.root}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size > len(buffer):
+                return self.load(name)
+            done = 0
+            while done < size:
+                got = os.preadv(fd, [buffer[done:size]], done)
+                if not got:
+                    raise OSError(errno.EIO, "the object got shorter while it was read")
+                done += got
+            return buffer[:size]
+        except OSError as exc:
+            raise _error(exc, f"cannot read {name} from {self.root}") from exc
+        finally:
+            os.close(fd)
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()

@@ -123,7 +123,7 @@ class Codec:
         return HEADER.pack(MAGIC, flags, kind, 0, len(data), digest), payload
 
     def decode(
-        self, kind: int, blob: bytes, what: str, expect: bytes | None = None, verify: bool = True
+        self, kind: int, blob: bytes | memoryview, what: str, expect: bytes | None = None, verify: bool = True
     ) -> bytes | memoryview:
         """The verified plaintext of a stored object; ``expect``: the digest its name promises.
 
@@ -141,7 +141,7 @@ class Codec:
         if flags & FLAG_SEALED:
             if self._aead is None:
                 raise KeyProblem(f"{what} is encrypted and no key is configured; set TORPOR_KEY_FILE")
-            payload = self._aead.open(payload, blob[: HEADER.size], what)
+            payload = self._aead.open(payload, bytes(blob[: HEADER.size]), what)
         elif self._aead is not None:
             raise CorruptImage(f"{what} is not encrypted, but this store's objects must be")
         if flags & FLAG_ZSTD:

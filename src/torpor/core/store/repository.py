@@ -32,12 +32,14 @@ from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
 from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
-from torpor.core.store.objects import KIND_CHUNK, KIND_MANIFEST, Codec
+from torpor.core.store.objects import HEADER, KIND_CHUNK, KIND_MANIFEST, Codec
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNotFound, StoreError
 
 STORE_FORMAT = "torpor-store"
 STORE_VERSION = 1
 DEFAULT_CHUNK_SIZE = 1 << 20
+#: the zeros :meth:`Repository.file_data` yields for zero extents (one chunk size of them)
+ZEROS = bytes(DEFAULT_CHUNK_SIZE)
 
 T = TypeVar("T")
 
@@ -403,15 +405,21 @@ class Repository:
         return manifest
 
     def file_data(
-        self, checkpoint_id: str, entry: FileEntry, pool: ThreadPoolExecutor, ahead: int = 8
+        self,
+        checkpoint_id: str,
+        entry: FileEntry,
+        pool: ThreadPoolExecutor,
+        ahead: int = 8,
+        buffers: Callable[[], memoryview] | None = None,
     ) -> Generator[bytes | memoryview, None, None]:
         """The content of one file of a checkpoint, front to back, every piece verified before it is yielded.
 
         Chunks are fetched and verified in ``pool``, at most ``ahead`` of them before the one being
-        yielded; zero extents come as pieces of at most one chunk size. Raises CorruptImage at the first
-        chunk that is missing or does not match its hash.
+        yielded; zero extents come as pieces of :data:`ZEROS` (``piece.obj is ZEROS``), at most one chunk
+        size each. ``buffers``: where each chunk goes (:meth:`chunk_into`; one buffer asked for per chunk,
+        in order), instead of new memory. Raises CorruptImage at the first chunk that is missing or does
+        not match its hash.
         """
-        zero = memoryview(bytes(DEFAULT_CHUNK_SIZE))
         pending: deque[tuple[int, Future[bytes | memoryview] | None]] = deque()
         extents = iter(entry.extents)
         try:
@@ -422,11 +430,11 @@ class Repository:
                         break
                     offset, length, chunk = extent
                     place = f"{entry.name} at offset {offset}"
-                    future = (
-                        None
-                        if chunk is None
-                        else pool.submit(self.chunk_data, checkpoint_id, chunk, length, True, place)
-                    )
+                    future: Future[bytes | memoryview] | None = None
+                    if chunk is not None and buffers is not None:
+                        future = pool.submit(self.chunk_into, checkpoint_id, chunk, length, buffers(), place)
+                    elif chunk is not None:
+                        future = pool.submit(self.chunk_data, checkpoint_id, chunk, length, True, place)
                     pending.append((length, future))
                 if not pending:
                     return
@@ -434,8 +442,8 @@ class Repository:
                 if future is not None:
                     yield future.result()
                     continue
-                for at in range(0, length, len(zero)):
-                    yield zero[: min(len(zero), length - at)]
+                for at in range(0, length, len(ZEROS)):
+                    yield memoryview(ZEROS)[: min(len(ZEROS), length - at)]
         finally:
             for _, future in pending:
                 if future is not None:
@@ -448,11 +456,52 @@ class Repository:
 
         ``place`` (e.g. ``pages-1.img at offset 4096``) says where the chunk belongs, for the error.
         """
-        what = (
+        what = self._chunk_what(checkpoint_id, chunk, place)
+        return self._chunk_plaintext(checkpoint_id, chunk, length, what, verify, self.backend.load)
+
+    def chunk_into(
+        self, checkpoint_id: str, chunk: str, length: int, buffer: memoryview, place: str | None = None
+    ) -> memoryview:
+        """:meth:`chunk_data`, verified, in ``buffer``: its ``length`` bytes from the second page on.
+
+        The object is read straight into ``buffer`` where the backend can (no new memory is touched), so
+        that a plain chunk's bytes start on a page boundary; anything else is copied there once decoded.
+        ``buffer`` holds a page plus the chunk size, and a page more for an encrypted chunk to fit.
+        """
+        start = mmap.PAGESIZE
+        if len(buffer) < start + length:
+            raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a chunk of {length}")
+        what = self._chunk_what(checkpoint_id, chunk, place)
+        read_into: list[bool] = []
+
+        def load(name: str) -> bytes | memoryview:
+            blob = self.backend.load_into(name, buffer[start - HEADER.size :])
+            read_into.append(isinstance(blob, memoryview))
+            return blob
+
+        data = self._chunk_plaintext(checkpoint_id, chunk, length, what, True, load)
+        # a plain chunk read into the buffer is already in place; decrypted or decompressed bytes are new
+        if not (read_into[0] and isinstance(data, memoryview)):
+            buffer[start : start + length] = data
+        return buffer[start : start + length]
+
+    @staticmethod
+    def _chunk_what(checkpoint_id: str, chunk: str, place: str | None) -> str:
+        return (
             f"{place}: chunk {chunk[:16]}…" if place else f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
         )
+
+    def _chunk_plaintext(
+        self,
+        checkpoint_id: str,
+        chunk: str,
+        length: int,
+        what: str,
+        verify: bool,
+        load: Callable[[str], bytes | memoryview],
+    ) -> bytes | memoryview:
         try:
-            blob = self.backend.load(chunk_name(chunk))
+            blob = load(chunk_name(chunk))
         except ObjectNotFound as exc:
             raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
         try:

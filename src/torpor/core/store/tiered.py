@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters.system import write_all
+from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import (
     DESTAGING,
@@ -44,7 +45,7 @@ from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_al
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
-from torpor.core.store.repository import Repository, chunk_name, verify_extents
+from torpor.core.store.repository import ZEROS, Repository, chunk_name, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
 from torpor.settings import Settings
 
@@ -450,22 +451,35 @@ class TieredStore:
 
 
 class _ColdPages:
-    """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written."""
+    """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written.
+
+    Each chunk is read into a buffer of the pipe's :class:`PipeFeed` and verified there; the pipe then
+    takes the buffer's pages by reference, and CRIU copies them out once, straight into the process.
+    From a local folder one thread reads ahead while the writer feeds the pipe (CRIU has the other
+    core; more readers only contend for it); a remote backend is read by ``store_workers`` at once.
+    """
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
         self._store = store
         self._manifest = manifest
         self._entries = {entry.name: entry for entry in manifest.files if is_bulk(entry.name)}
         self.names = frozenset(self._entries)
-        workers = store.settings.store_workers
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="stream")
-        self._ahead = 2 * max(1, workers)
+        workers = max(1, store.settings.store_workers) if store.repo.backend.remote else 1
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="stream")
+        self._ahead = max(4, 2 * workers)
 
     def write(self, name: str, fd: int) -> None:
         repo = self._store.repo
+        # a buffer holds a chunk from its second page on, and a page more for an encrypted one's header
+        feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=self._ahead + 1)
+        pieces = repo.file_data(self._manifest.id, self._entries[name], self._pool, self._ahead, feed.buffer)
         try:
-            for piece in repo.file_data(self._manifest.id, self._entries[name], self._pool, self._ahead):
-                write_all(fd, piece)
+            for piece in pieces:
+                if isinstance(piece, memoryview) and piece.obj is ZEROS:
+                    feed.put_zeros(len(piece))
+                else:
+                    feed.put(memoryview(piece))
+            feed.finish()  # the buffers must outlive every byte of theirs in the pipe
         except CorruptImage as exc:
             raise self._store._with_hint(exc, self._manifest.id) from exc
 
