@@ -26,7 +26,6 @@ from conftest import Torpor
 from torpor.adapters.criu import Criu
 from torpor.adapters.imagestreamer import SOCKET_NAME, ImageStreamer, Writer
 from torpor.adapters.pipefeed import PipeFeed
-from torpor.adapters.system import write_all
 from torpor.core.store.backend import Backend, FolderBackend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
@@ -38,6 +37,12 @@ from .test_lazy_pageserver import CRIU, digests, hibernated_job
 
 MiB = 1 << 20
 BASE = 0x7F0000000000
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 # -- the protocol, against a scripted CRIU -----------------------------------------------------------

@@ -210,11 +210,3 @@ def kernel_features() -> KernelFeatures:
 def disk_free(path: Path) -> int:
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write all of ``data`` to ``fd``, however many calls it takes (a pipe takes at most its capacity per call)."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]

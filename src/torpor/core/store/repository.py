@@ -456,8 +456,7 @@ class Repository:
 
         ``place`` (e.g. ``pages-1.img at offset 4096``) says where the chunk belongs, for the error.
         """
-        what = self._chunk_what(checkpoint_id, chunk, place)
-        return self._chunk_plaintext(checkpoint_id, chunk, length, what, verify, self.backend.load)
+        return self._chunk_plaintext(checkpoint_id, chunk, length, place, verify, self.backend.load)
 
     def chunk_into(
         self, checkpoint_id: str, chunk: str, length: int, buffer: memoryview, place: str | None = None
@@ -466,12 +465,12 @@ class Repository:
 
         The object is read straight into ``buffer`` where the backend can (no new memory is touched), so
         that a plain chunk's bytes start on a page boundary; anything else is copied there once decoded.
-        ``buffer`` holds a page plus the chunk size, and a page more for an encrypted chunk to fit.
+        ``buffer`` holds a page plus the chunk size (an object too big for the rest of it, such as an
+        encrypted chunk in a buffer of just that, is read into new memory and copied).
         """
         start = mmap.PAGESIZE
         if len(buffer) < start + length:
             raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a chunk of {length}")
-        what = self._chunk_what(checkpoint_id, chunk, place)
         read_into: list[bool] = []
 
         def load(name: str) -> bytes | memoryview:
@@ -479,27 +478,24 @@ class Repository:
             read_into.append(isinstance(blob, memoryview))
             return blob
 
-        data = self._chunk_plaintext(checkpoint_id, chunk, length, what, True, load)
+        data = self._chunk_plaintext(checkpoint_id, chunk, length, place, True, load)
         # a plain chunk read into the buffer is already in place; decrypted or decompressed bytes are new
         if not (read_into[0] and isinstance(data, memoryview)):
             buffer[start : start + length] = data
         return buffer[start : start + length]
-
-    @staticmethod
-    def _chunk_what(checkpoint_id: str, chunk: str, place: str | None) -> str:
-        return (
-            f"{place}: chunk {chunk[:16]}…" if place else f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
-        )
 
     def _chunk_plaintext(
         self,
         checkpoint_id: str,
         chunk: str,
         length: int,
-        what: str,
+        place: str | None,
         verify: bool,
         load: Callable[[str], bytes | memoryview],
     ) -> bytes | memoryview:
+        what = (
+            f"{place}: chunk {chunk[:16]}…" if place else f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
+        )
         try:
             blob = load(chunk_name(chunk))
         except ObjectNotFound as exc:
