@@ -3,11 +3,10 @@
 ``write(2)`` into a pipe copies every byte into pages the pipe allocates for itself, 4 KiB at a time;
 the reader then copies them out again. ``vmsplice`` instead puts references to the writer's pages into
 the pipe, and the reader copies straight out of them. The price is that the writer must leave those
-bytes alone until the reader has read them. :class:`PipeFeed` keeps that promise:
-
-so a :class:`PipeFeed` puts only memory it owns into the pipe: buffers it lends from a ring of
-page-aligned slots (:meth:`PipeFeed.buffer`), each lent again only once the reader has read every byte
-put from it, and a mapping of zeros no one writes to.
+bytes alone until the reader has read them. To keep that promise a :class:`PipeFeed` puts only memory
+it owns into the pipe: buffers it lends from a ring of page-aligned slots (:meth:`PipeFeed.buffer`),
+each lent again only once the reader has read every byte put from it, and a mapping of zeros no one
+writes to.
 
 "Read" is measured with ``FIONREAD``: the bytes put so far, less those still in the pipe. The pipe's
 lock covers both the reader's copy and that count, so a byte no longer counted has been copied out.
@@ -91,8 +90,11 @@ class PipeFeed:
         """Put ``piece``, a part of a buffer this feed lent, into the pipe (blocks while it is full).
 
         Raises BrokenPipeError if the reader went away, ValueError for memory the feed does not own.
+        An empty piece puts nothing (its buffer stays lent).
         """
-        offset = _address(piece) - self._base if piece.nbytes else 0
+        if not piece.nbytes:
+            return
+        offset = _address(piece) - self._base
         if not 0 <= offset <= len(self._ring) - piece.nbytes:
             raise ValueError("PipeFeed.put takes only memory from PipeFeed.buffer")
         self._splice(piece)
@@ -112,7 +114,7 @@ class PipeFeed:
     # -- inside --
 
     def _splice(self, piece: memoryview) -> None:
-        iov = _IoVec(_address(piece) if piece.nbytes else 0, piece.nbytes)
+        iov = _IoVec(_address(piece), piece.nbytes)
         while iov.length:
             done = _libc.vmsplice(self.fd, ctypes.byref(iov), 1, 0)
             if done < 0:
