@@ -73,6 +73,24 @@ def test_a_hibernated_image_leaves_ram_once_durable(torpor: Torpor, hot: Path) -
     torpor.wait_log("h", f"step {last_step(torpor.log('h')) + 2}")
 
 
+def test_only_the_newest_durable_checkpoint_of_a_job_stays_in_ram(torpor: Torpor, hot: Path) -> None:
+    """Older copies of a job only hold RAM once a newer one is durable; other jobs keep theirs."""
+    for name in ("a", "b"):
+        torpor.run("run", "--name", name, *python_job("counter.py"))
+        torpor.wait_log(name, "step 3")
+    first = torpor.json("checkpoint", "a", "--wait")["id"]
+    other = torpor.json("checkpoint", "b", "--wait")["id"]
+    second = torpor.json("checkpoint", "a", "--wait")["id"]
+    torpor.wait_for(lambda: not (hot / first).exists(), what="the older copy of job a to leave RAM")
+    assert (hot / second).exists() and (hot / other).exists()
+    assert {c["id"]: c["state"] for c in torpor.json("checkpoints", "a")} == {
+        first: "durable",
+        second: "durable",
+    }
+    torpor.run("restore", "a", "--from", first, "--force")  # a rollback reads the cold tier
+    torpor.wait_log("a", f"step {last_step(torpor.log('a')) + 2}")
+
+
 def test_a_second_checkpoint_stores_only_what_changed(torpor: Torpor, hot: Path) -> None:
     job = str(Path(__file__).parent / "jobs" / "memory_check.py")
     torpor.run("run", "--name", "d", "--", sys.executable, "-u", job, "48")

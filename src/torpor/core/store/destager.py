@@ -78,6 +78,13 @@ def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None =
         # (a restore already linking it keeps its links; a later one reads the cold tier)
         hot.remove(record.id)
         _log(f"{record.id} ({record.job}) hibernated: dropped its RAM copy")
+        return
+    # a restore wants a job's newest checkpoint: older durable copies of the job only hold RAM, which
+    # the job, the next dump and the page cache need (dumps here slowed down as such copies piled up)
+    for older in hot.records():
+        if older.job == record.job and older.state == DURABLE and older.created_at < record.created_at:
+            hot.remove(older.id)
+            _log(f"{older.id} ({older.job}) dropped its RAM copy: {record.id} is newer and durable")
 
 
 def _dump_over(partial: Path, deadline: float) -> bool:

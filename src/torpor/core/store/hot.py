@@ -10,8 +10,9 @@ Layout under the hot folder::
 
 The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and, once
 taken, BLAKE3 hash, and its state: ``staged`` (waiting for the destager), ``destaging`` (with bytes done),
-``durable`` (a manifest is in the cold tier; the hot copy is only a cache now and is dropped oldest first
-when the tier is over capacity). A hot image is verified when read back like any other: once durable,
+``durable`` (a manifest is in the cold tier; the hot copy is only a cache now: the destager drops it
+once a newer checkpoint of the job is durable, and :meth:`HotTier.make_room` oldest first when the tier
+is over capacity). A hot image is verified when read back like any other: once durable,
 against its manifest's chunk hashes (the destager's one pass over the image both stores and hashes it);
 before that, against file hashes taken by the first restore — so that ``put`` costs only a rename.
 """
