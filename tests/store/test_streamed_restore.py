@@ -29,7 +29,7 @@ from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store.backend import Backend, FolderBackend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
-from torpor.core.store.repository import ZEROS, Repository, chunk_name
+from torpor.core.store.repository import Repository, chunk_name
 from torpor.errors import CorruptImage
 
 from .conftest import write_image
@@ -261,13 +261,7 @@ def test_a_process_restored_through_the_streamer_has_exactly_its_memory(
 
         def writer(entry: FileEntry) -> Writer:
             def write(fd: int) -> None:  # as the cold tier does: chunks verified in the pipe's buffers
-                feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=9)
-                for piece in repo.file_data(checkpoint, entry, pool, 8, feed.buffer):
-                    if isinstance(piece, memoryview) and piece.obj is ZEROS:
-                        feed.put_zeros(len(piece))
-                    else:
-                        feed.put(memoryview(piece))
-                feed.finish()
+                repo.pipe_file(checkpoint, entry, fd, pool)
 
             return write
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
 from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
@@ -448,6 +449,25 @@ class Repository:
             for _, future in pending:
                 if future is not None:
                     future.cancel()
+
+    def pipe_file(
+        self, checkpoint_id: str, entry: FileEntry, fd: int, pool: ThreadPoolExecutor, ahead: int = 8
+    ) -> None:
+        """Write one file of a checkpoint into the pipe ``fd`` (its write end), every chunk verified first.
+
+        Each chunk is read into a buffer of a :class:`PipeFeed` (``ahead`` of them at once, in ``pool``)
+        and verified there; the pipe then takes the buffer's pages by reference, so the reader copies
+        each byte once. Returns when the reader has read it all; raises CorruptImage (see
+        :meth:`file_data`) with nothing of the bad chunk in the pipe.
+        """
+        # a buffer holds a chunk from its second page on, and a page more for an encrypted one's header
+        feed = PipeFeed(fd, self.chunk_size + 2 * mmap.PAGESIZE, spare=ahead + 1)
+        for piece in self.file_data(checkpoint_id, entry, pool, ahead, feed.buffer):
+            if isinstance(piece, memoryview) and piece.obj is ZEROS:
+                feed.put_zeros(len(piece))
+            else:
+                feed.put(memoryview(piece))
+        feed.finish()  # the buffers must outlive every byte of theirs in the pipe
 
     def chunk_data(
         self, checkpoint_id: str, chunk: str, length: int, verify: bool = True, place: str | None = None

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -28,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import (
     DESTAGING,
@@ -45,7 +43,7 @@ from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_al
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
-from torpor.core.store.repository import ZEROS, Repository, chunk_name, verify_extents
+from torpor.core.store.repository import Repository, chunk_name, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
 from torpor.settings import Settings
 
@@ -453,10 +451,10 @@ class TieredStore:
 class _ColdPages:
     """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written.
 
-    Each chunk is read into a buffer of the pipe's :class:`PipeFeed` and verified there; the pipe then
-    takes the buffer's pages by reference, and CRIU copies them out once, straight into the process.
-    From a local folder one thread reads ahead while the writer feeds the pipe (CRIU has the other
-    core; more readers only contend for it); a remote backend is read by ``store_workers`` at once.
+    Each chunk is read into a buffer of the pipe and verified there (:meth:`Repository.pipe_file`);
+    CRIU copies it out once, straight into the process. From a local folder one thread reads ahead
+    while the writer feeds the pipe (CRIU has the other core; more readers only contend for it); a
+    remote backend is read by ``store_workers`` at once.
     """
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
@@ -469,17 +467,8 @@ class _ColdPages:
         self._ahead = max(4, 2 * workers)
 
     def write(self, name: str, fd: int) -> None:
-        repo = self._store.repo
-        # a buffer holds a chunk from its second page on, and a page more for an encrypted one's header
-        feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=self._ahead + 1)
-        pieces = repo.file_data(self._manifest.id, self._entries[name], self._pool, self._ahead, feed.buffer)
         try:
-            for piece in pieces:
-                if isinstance(piece, memoryview) and piece.obj is ZEROS:
-                    feed.put_zeros(len(piece))
-                else:
-                    feed.put(memoryview(piece))
-            feed.finish()  # the buffers must outlive every byte of theirs in the pipe
+            self._store.repo.pipe_file(self._manifest.id, self._entries[name], fd, self._pool, self._ahead)
         except CorruptImage as exc:
             raise self._store._with_hint(exc, self._manifest.id) from exc
 
