@@ -19,6 +19,7 @@ import pytest
 
 from torpor.core.store.backend import Backend, FolderBackend
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
+from torpor.core.store.repository import Repository
 from torpor.settings import Settings
 
 MOTO = str(Path(sys.executable).parent / "moto_server")
@@ -120,6 +121,20 @@ def write_image(folder: Path, regions: dict[int, bytes], pages_id: int = 1, extr
     (folder / f"pages-{pages_id}.img").write_bytes(bytes(pages))
     (folder / "core-1.img").write_bytes(extra)
     return folder
+
+
+def flip_chunk_bit(repo: Repository, chunk: str, at: int, mask: int = 0x01) -> None:
+    """Flip bits of ``chunk``'s stored object in the store, ``at`` bytes into it (from its end if < 0)."""
+    name, offset, length = repo.locate(chunk)
+    blob = bytearray(repo.backend.load(name))
+    end = len(blob) if length < 0 else offset + length
+    blob[end + at if at < 0 else offset + at] ^= mask
+    repo.backend.store(name, bytes(blob))
+
+
+def drop_chunk(repo: Repository, chunk: str) -> None:
+    """Delete the object holding ``chunk`` (its whole pack)."""
+    repo.backend.delete(repo.locate(chunk)[0])
 
 
 def same_files(a: Path, b: Path) -> bool:

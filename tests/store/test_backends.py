@@ -31,6 +31,34 @@ def test_load_into_gives_the_same_bytes_in_the_buffer_or_new(backend: Backend) -
         backend.load_into("chunks/ab/nope", buffer)
 
 
+def test_load_into_a_range(backend: Backend) -> None:
+    backend.store("packs/ab/abcd", b"0123456789")
+    buffer = memoryview(bytearray(64))
+    assert bytes(backend.load_into("packs/ab/abcd", buffer, 3, 4)) == b"3456"
+    assert bytes(backend.load_into("packs/ab/abcd", memoryview(b""), 3, 4)) == b"3456"  # new bytes
+    assert bytes(backend.load_into("packs/ab/abcd", buffer, 7)) == b"789"  # to the end
+    assert bytes(backend.load_into("packs/ab/abcd", buffer, 8, 10)) == b"89"  # the object ends sooner
+    assert bytes(backend.load_into("packs/ab/abcd", buffer, 12, 4)) == b""
+    with pytest.raises(ObjectNotFound):
+        backend.load_into("packs/ab/nope", buffer, 3, 4)
+
+
+def test_a_writer_object_appears_whole_at_commit_or_not_at_all(backend: Backend) -> None:
+    writer = backend.writer("packs/ab/abcd")
+    writer.write(b"one ", memoryview(b"two "))
+    writer.write(b"three")
+    assert not backend.exists("packs/ab/abcd")
+    writer.commit()
+    writer.abort()  # harmless after commit
+    backend.sync()
+    assert backend.load("packs/ab/abcd") == b"one two three"
+    dropped = backend.writer("packs/cd/cdef")
+    dropped.write(b"half")
+    dropped.abort()
+    assert not backend.exists("packs/cd/cdef")
+    assert set(backend.list("packs")) == {"packs/ab/abcd"}
+
+
 def test_store_replaces_an_object(backend: Backend) -> None:
     backend.store("manifests/x", b"one")
     backend.store("manifests/x", b"two, longer")

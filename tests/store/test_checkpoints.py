@@ -19,7 +19,9 @@ import pytest
 
 from conftest import TORPOR, Torpor, python_job
 from torpor.core.store.backend import FolderBackend
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.repository import Repository
+
+from .conftest import flip_chunk_bit
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -110,10 +112,7 @@ def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, 
     repo = Repository(FolderBackend(torpor.home / "images"))
     pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
     chunk = next(c for _, _, c in pages.extents if c)
-    path = torpor.home / "images" / chunk_name(chunk)
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x10
-    path.write_bytes(bytes(blob))
+    flip_chunk_bit(repo, chunk, 4096, 0x10)
     result = torpor.run("resume", "f", check=False)
     assert result.returncode == 6
     assert "Traceback" not in result.stderr
@@ -133,10 +132,7 @@ def hibernate_then_flip_a_memory_byte(torpor: Torpor, hot: Path, name: str) -> s
     repo = Repository(FolderBackend(torpor.home / "images"))
     pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
     sizes = {c: n for _, n, c in pages.extents if c}
-    path = torpor.home / "images" / chunk_name(max(sizes, key=lambda c: sizes[c]))
-    blob = bytearray(path.read_bytes())
-    blob[-100] ^= 0x10
-    path.write_bytes(bytes(blob))
+    flip_chunk_bit(repo, max(sizes, key=lambda c: sizes[c]), -100, 0x10)
     return checkpoint
 
 
@@ -268,11 +264,11 @@ def test_retention_keeps_the_last_n_and_pinned_ones_and_gc_frees_the_rest(torpor
     ids = [json.loads(torpor.run("checkpoint", "k", "--wait", "--json").stdout)["id"] for _ in range(3)]
     listed = {c["id"]: c for c in torpor.json("checkpoints", "k")}
     assert set(listed) == {first, ids[1], ids[2]} and listed[first]["pinned"]
-    chunks = torpor.home / "images" / "chunks"
-    before = sum(1 for _ in chunks.rglob("*") if _.is_file())
+    store = Repository(FolderBackend(torpor.home / "images"))
+    before = store.stored_chunks()
     out = torpor.run("gc").stdout
     assert re.search(r"retention removed 0 checkpoint\(s\); [1-9]\d* unreferenced chunk\(s\) deleted", out)
-    assert sum(1 for _ in chunks.rglob("*") if _.is_file()) < before
+    assert store.stored_chunks() < before
     torpor.run("stop", "k", "--timeout", "0.1")
     drop_hot_copies(hot)
     lines = torpor.log("k").count("\n")

@@ -31,10 +31,10 @@ from torpor.core.store.backend import FolderBackend
 from torpor.core.store.lazy import LazyImage, extent_slices, file_ranges
 from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun, read_pagemap
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.repository import Repository
 from torpor.errors import CorruptImage, RestoreFailed
 
-from .conftest import _message
+from .conftest import _message, flip_chunk_bit
 
 MiB = 1 << 20
 BASE = 0x7F0000000000
@@ -170,11 +170,7 @@ def test_a_corrupt_lazy_chunk_is_refused_when_read_and_a_corrupt_eager_one_by_pr
 
 
 def _flip(repo: Repository, chunk: str) -> None:
-    assert isinstance(repo.backend, FolderBackend)
-    path = repo.backend.root / chunk_name(chunk)
-    blob = bytearray(path.read_bytes())
-    blob[-100] ^= 0x01
-    path.write_bytes(bytes(blob))
+    flip_chunk_bit(repo, chunk, -100)
 
 
 # -- the page server's protocol ------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from torpor.core.store.backend import Backend, FolderBackend
-from torpor.core.store.repository import Prestored, Repository, chunk_name
+from torpor.core.store.repository import Prestored, Repository
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
 
-from .conftest import same_files, write_image
+from .conftest import drop_chunk, flip_chunk_bit, same_files, write_image
 
 MiB = 1 << 20
 BASE = 0x7F0000000000
@@ -82,10 +82,7 @@ def _first_chunk(repo: Repository, checkpoint_id: str) -> str:
 def test_a_flipped_byte_is_refused_with_the_checkpoint_named(backend: Backend, tmp_path: Path) -> None:
     repo = Repository(backend)
     repo.write("good", "job", write_image(tmp_path / "img", {BASE: _random(2 * MiB)}), {})
-    name = chunk_name(_first_chunk(repo, "good"))
-    blob = bytearray(backend.load(name))
-    blob[len(blob) // 2] ^= 0x01
-    backend.store(name, bytes(blob))
+    flip_chunk_bit(repo, _first_chunk(repo, "good"), MiB // 2)
     with pytest.raises(CorruptImage, match="checkpoint good is damaged"):
         repo.read("good", tmp_path / "out")
 
@@ -93,7 +90,7 @@ def test_a_flipped_byte_is_refused_with_the_checkpoint_named(backend: Backend, t
 def test_a_missing_chunk_is_refused(backend: Backend, tmp_path: Path) -> None:
     repo = Repository(backend)
     repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
-    backend.delete(chunk_name(_first_chunk(repo, "c")))
+    drop_chunk(repo, _first_chunk(repo, "c"))
     with pytest.raises(CorruptImage, match="missing"):
         repo.read("c", tmp_path / "out")
     assert not repo.intact("c")
@@ -120,7 +117,8 @@ def test_encrypted_store(backend: Backend, tmp_path: Path) -> None:
     image = write_image(tmp_path / "img", {BASE: secret[: (len(secret) // 4096) * 4096]})
     repo = Repository(backend, key)
     repo.write("c", "job", image, {"command": ["secret-tool"]})
-    for name in backend.list("chunks"):
+    assert list(backend.list("packs"))
+    for name in backend.list("packs"):
         assert b"hunter2" not in backend.load(name)
     assert b"secret-tool" not in backend.load("manifests/c")
     repo.read("c", tmp_path / "out")
@@ -129,10 +127,7 @@ def test_encrypted_store(backend: Backend, tmp_path: Path) -> None:
         Repository(backend, os.urandom(32)).open()
     with pytest.raises(KeyProblem, match="encrypted"):
         Repository(backend).open()
-    name = chunk_name(_first_chunk(repo, "c"))
-    blob = bytearray(backend.load(name))
-    blob[-5] ^= 0x40
-    backend.store(name, bytes(blob))
+    flip_chunk_bit(repo, _first_chunk(repo, "c"), -5, 0x40)
     with pytest.raises(CorruptImage, match="authentication"):
         repo.read("c", tmp_path / "out2")
 
@@ -148,13 +143,87 @@ def test_gc_removes_only_unreferenced_chunks(backend: Backend, tmp_path: Path) -
     shared = _random(MiB)
     repo.write("a", "job", write_image(tmp_path / "a", {BASE: shared, BASE + MiB: _random(MiB)}), {})
     repo.write("b", "job", write_image(tmp_path / "b", {BASE: shared, BASE + MiB: _random(MiB)}), {})
-    before = len(list(backend.list("chunks")))
+    before = len(repo.stored_chunks())
     repo.delete("a")
     report = repo.gc()
     assert report.chunks_deleted > 0 and report.chunks_kept == before - report.chunks_deleted
     repo.read("b", tmp_path / "out")
     assert same_files(tmp_path / "b", tmp_path / "out")
     assert repo.gc().chunks_deleted == 0
+
+
+def test_chunks_go_into_packs_of_the_pack_size_with_one_index_per_write(
+    backend: Backend, tmp_path: Path
+) -> None:
+    repo = Repository(backend, workers=3, pack_size=3 * MiB)
+    image = write_image(tmp_path / "img", {BASE: _random(12 * MiB)})
+    manifest = repo.write("c", "job", image, {})
+    packs = list(backend.list("packs"))
+    assert 4 <= len(packs) <= 7  # 12 chunks of ~1 MiB, 3 to a pack; at most one open pack per thread
+    assert len(list(backend.list("index"))) == 1
+    assert set(manifest.chunk_ids()) <= repo.stored_chunks()
+    assert {repo.locate(chunk)[0] for chunk in manifest.chunk_ids()} == set(packs)
+    fresh = Repository(backend)  # another process: finds the chunks through the index
+    fresh.read("c", tmp_path / "out")
+    assert same_files(image, tmp_path / "out")
+
+
+def test_gc_rewrites_a_pack_that_holds_garbage_and_merges_the_indexes(
+    backend: Backend, tmp_path: Path
+) -> None:
+    repo = Repository(backend, workers=1)  # one pack per write: a's holds the shared chunk and garbage
+    shared = _random(MiB)
+    repo.write("a", "job", write_image(tmp_path / "a", {BASE: shared, BASE + MiB: _random(MiB)}), {})
+    repo.write("b", "job", write_image(tmp_path / "b", {BASE: shared, BASE + MiB: _random(MiB)}), {})
+    reader = Repository(backend)
+    reader.read("b", tmp_path / "early")  # knows where b's chunks were before gc moved them
+    (garbage,) = set(repo.manifest("a").chunk_ids()) - set(repo.manifest("b").chunk_ids())
+    held_garbage = repo.locate(garbage)[0]
+    repo.delete("a")
+    report = repo.gc()
+    assert report.chunks_deleted == 1  # a's own memory chunk (its small files are b's too)
+    assert len(list(backend.list("index"))) == 1
+    assert held_garbage not in set(backend.list("packs"))  # deleted, its other chunks copied first
+    assert garbage not in repo.stored_chunks()
+    assert set(repo.manifest("b").chunk_ids()) <= repo.stored_chunks()
+    reader.read("b", tmp_path / "out")  # its places are stale: it reads the indexes again
+    assert same_files(tmp_path / "b", tmp_path / "out")
+    assert repo.gc().chunks_deleted == 0
+    assert len(list(backend.list("index"))) == 1
+
+
+def test_gc_removes_packs_no_index_names(backend: Backend, tmp_path: Path) -> None:
+    repo = Repository(backend)
+    repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
+    backend.store("packs/ab/" + "ab" * 16, b"a pack whose writer died before its index")
+    repo.gc()
+    assert "packs/ab/" + "ab" * 16 not in set(backend.list("packs"))
+    repo.read("c", tmp_path / "out")
+
+
+def test_a_store_of_format_1_is_read_and_collected(backend: Backend, tmp_path: Path) -> None:
+    import json
+
+    from torpor.core.store.repository import chunk_name
+
+    image = write_image(tmp_path / "img", {BASE: _random(2 * MiB)})
+    Repository(backend).write("old", "job", image, {})
+    Repository(backend).write("gone", "job", write_image(tmp_path / "gone", {BASE: _random(MiB)}), {})
+    repo = Repository(backend)
+    for chunk in repo.stored_chunks():  # as format 1 kept them: one object per chunk
+        name, offset, length = repo.locate(chunk)
+        backend.store(chunk_name(chunk), backend.load_into(name, memoryview(b""), offset, length))
+    for name in [*backend.list("packs"), *backend.list("index")]:
+        backend.delete(name)
+    config = json.loads(backend.load("config"))
+    backend.store("config", json.dumps({**config, "version": 1}).encode())
+    repo = Repository(backend)
+    repo.read("old", tmp_path / "out")
+    assert same_files(image, tmp_path / "out")
+    assert json.loads(backend.load("config"))["version"] == 2
+    repo.delete("gone")
+    assert repo.gc().chunks_deleted == 2
+    assert repo.intact("old")
 
 
 def test_gc_while_checkpoints_are_written_loses_nothing(backend: Backend, tmp_path: Path) -> None:
@@ -238,8 +307,8 @@ def test_a_chunk_stored_during_the_dump_then_lost_is_stored_again(tmp_path: Path
     repo.prestore(dumping, prestored, _after(lambda: len(prestored) >= 3))  # the last piece is left
     lost, _ = prestored[("pages-1.img", 0, MiB)]
     assert lost is not None
-    backend.delete(chunk_name(lost))  # e.g. gc ran between the dump and the write
+    assert repo.gc().chunks_deleted == 3  # e.g. gc ran between the dump and the write
     manifest = repo.write("c", "job", full, {}, prestored=prestored)
-    assert manifest.sizes["prestored"] == 2 * MiB
+    assert manifest.sizes["prestored"] == 0
     repo.read("c", tmp_path / "out")
     assert same_files(full, tmp_path / "out")

@@ -29,10 +29,10 @@ from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store.backend import Backend, FolderBackend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
-from torpor.core.store.repository import Repository, chunk_name
+from torpor.core.store.repository import Repository
 from torpor.errors import CorruptImage
 
-from .conftest import write_image
+from .conftest import flip_chunk_bit, write_image
 from .test_lazy_pageserver import CRIU, digests, hibernated_job
 
 MiB = 1 << 20
@@ -138,10 +138,7 @@ def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(tmp_p
         assert b"".join(repo.file_data("c", entry, pool)) == (image / entry.name).read_bytes()
         offset, _, chunk = entry.extents[1]
         assert chunk is not None and offset == MiB
-        name = chunk_name(chunk)
-        blob = bytearray(backend.load(name))
-        blob[-10] ^= 0x01
-        backend.store(name, bytes(blob))
+        flip_chunk_bit(repo, chunk, -10)
         handed: list[bytes] = []
         with pytest.raises(CorruptImage, match=f"checkpoint c is damaged: {entry.name} at offset {MiB}"):
             for piece in repo.file_data("c", entry, pool, ahead=3):
@@ -165,10 +162,7 @@ def test_chunk_into_puts_a_verified_chunk_on_a_page_boundary_of_the_buffer(tmp_p
             assert got.obj is buffer.obj and bytes(buffer[mmap.PAGESIZE : mmap.PAGESIZE + MiB]) == expected
         with pytest.raises(ValueError, match="cannot hold"):
             repo.chunk_into("c", chunk, length, buffer[: MiB + 100])
-        name = chunk_name(chunk)
-        blob = bytearray(backend.load(name))
-        blob[-10] ^= 0x01
-        backend.store(name, bytes(blob))
+        flip_chunk_bit(repo, chunk, -10)
         with pytest.raises(CorruptImage, match="checkpoint c is damaged: pages at 1048576"):
             repo.chunk_into("c", chunk, length, buffer, "pages at 1048576")
 

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from torpor.core.store import DURABLE, STAGED, TieredStore
-from torpor.core.store.repository import chunk_name
 from torpor.errors import CorruptImage, StorageFull, StoreError
 from torpor.settings import Settings
 
-from .conftest import same_files, write_image
+from .conftest import flip_chunk_bit, same_files, write_image
 
 MiB = 1 << 20
 BASE = 0x7F0000000000
@@ -111,7 +110,7 @@ def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, t
     _wait(lambda: not store.destager_running(), what="the destager to die")
     # no half checkpoint is listed: not durable, no manifest in the cold tier, some chunks already there
     assert not store.repo.has("c1")
-    assert list(store.repo.backend.list("chunks"))
+    assert list(store.repo.backend.list("packs"))
     assert store.state("c1").state == STAGED
     assert store.wait_durable("c1", timeout=120).state == DURABLE
     store.hot.remove("c1")
@@ -166,10 +165,7 @@ def test_a_flipped_byte_is_refused_and_the_newest_good_checkpoint_named(settings
     pages = next(f for f in manifest.files if f.name == "pages-1.img")
     own = pages.extents[-1][2]  # a chunk only c2 has
     assert own is not None
-    path = settings.images_dir / chunk_name(own)
-    blob = bytearray(path.read_bytes())
-    blob[100] ^= 0x04
-    path.write_bytes(bytes(blob))
+    flip_chunk_bit(store.repo, own, 100, 0x04)
     with pytest.raises(CorruptImage) as caught:
         store.get("c2", store.restore_dir("c2"))
     assert "checkpoint c2 is damaged" in caught.value.message
@@ -199,10 +195,7 @@ def test_fetch_leaves_only_the_pages_to_its_check(settings: Settings) -> None:
     store.wait_durable("c1", timeout=60)
     store.hot.remove("c1")
     pages = next(e for e in store.repo.manifest("c1").files if e.name == "pages-1.img")
-    chunk = settings.images_dir / chunk_name(str(pages.extents[0][2]))
-    blob = bytearray(chunk.read_bytes())
-    blob[-1] ^= 1  # stored raw (random data does not compress): the payload's last byte
-    chunk.write_bytes(bytes(blob))
+    flip_chunk_bit(store.repo, str(pages.extents[0][2]), -1)  # stored raw: the payload's last byte
     check = store.fetch("c1", store.restore_dir("c1"))  # the pages' chunks are not hashed yet
     with pytest.raises(CorruptImage, match="damaged"):
         check()

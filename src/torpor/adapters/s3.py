@@ -90,9 +90,29 @@ class S3Backend:
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise self._error(exc, name) from exc
 
-    def load_into(self, name: str, buffer: memoryview) -> bytes:
-        """New bytes always: boto3 reads a body into memory of its own."""
-        return self.load(name)
+    def load_into(self, name: str, buffer: memoryview, offset: int = 0, length: int = -1) -> bytes:
+        """New bytes always: boto3 reads a body into memory of its own. A range is one ranged GET."""
+        if offset == 0 and length < 0:
+            return self.load(name)
+        if length == 0:
+            return b""
+        end = "" if length < 0 else str(offset + length - 1)
+        try:
+            reply = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(name), Range=f"bytes={offset}-{end}"
+            )
+            data: bytes = reply["Body"].read()
+            return data
+        except botocore.exceptions.ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) == "InvalidRange":
+                return b""  # the object ends before offset
+            raise self._error(exc, name) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._error(exc, name) from exc
+
+    def writer(self, name: str) -> _PutWriter:
+        """Parts are kept in memory and stored with one PUT at ``commit`` (a pack is some MiB)."""
+        return _PutWriter(self, name)
 
     def exists(self, name: str) -> bool:
         try:
@@ -126,3 +146,22 @@ class S3Backend:
 
     def close(self) -> None:
         self.client.close()
+
+
+class _PutWriter:
+    """An object written in parts, kept in memory until ``commit`` stores it with one PUT."""
+
+    def __init__(self, backend: S3Backend, name: str) -> None:
+        self._backend = backend
+        self._name = name
+        self._parts: list[bytes] = []
+
+    def write(self, *parts: bytes | memoryview) -> None:
+        self._parts.extend(bytes(part) for part in parts)
+
+    def commit(self) -> None:
+        parts, self._parts = self._parts, []
+        self._backend.store(self._name, *parts)
+
+    def abort(self) -> None:
+        self._parts = []

@@ -44,13 +44,14 @@ def unmount(path: Path) -> None:
         _check(_libc.umount2(os.fsencode(path), 2), f"umount {path}")  # MNT_DETACH
 
 
-def start_writeback(fd: int) -> None:
+def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
     """Start writing ``fd``'s dirty pages to its disk now, without waiting (``sync_file_range``).
 
-    A later :func:`syncfs` then finds most of the data already written. Best effort: does nothing where
-    the call is missing or refused (e.g. on tmpfs it has nothing to do).
+    ``length`` bytes from ``offset`` (0: to the end of the file). A later :func:`syncfs` then finds most
+    of the data already written. Best effort: does nothing where the call is missing or refused (e.g. on
+    tmpfs it has nothing to do).
     """
-    _libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
+    _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), SYNC_FILE_RANGE_WRITE)
 
 
 def syncfs(path: Path) -> None:

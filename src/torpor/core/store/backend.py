@@ -1,14 +1,16 @@
 """Backends: flat namespaces of named, immutable objects — the one seam between the store and storage.
 
 A backend knows nothing of chunks, manifests or encryption; it stores bytes under names like
-``chunks/ab/ab12…`` and gives them back. Every backend keeps the same small contract (checked by one
+``packs/ab/ab12…`` and gives them back, whole or a range of them. Every backend keeps the same small contract (checked by one
 contract test suite, ``tests/store/test_backends.py``):
 
 * ``store`` is atomic: a reader sees the old object, no object, or the whole new one — never a part;
   once ``sync`` returns, every object stored before it survives a crash;
+* ``writer`` writes one object in parts, for objects built as they go (pack files); it is as atomic as
+  ``store``: the object appears whole at ``commit``, or not at all;
 * ``load`` of a missing object raises :class:`~torpor.errors.ObjectNotFound`; ``load_into`` gives the
-  same bytes, as a part of the caller's buffer (a memoryview) where the backend read them into it, or
-  as new bytes;
+  same bytes, or a range of them, as a part of the caller's buffer (a memoryview) where the backend read
+  them into it, or as new bytes; a range past the end gives fewer bytes (the caller verifies them);
 * ``delete`` of a missing object is not an error;
 * ``list(folder)`` yields every object name under ``folder/`` (recursively), in no particular order;
 * failures are torpor errors (:class:`~torpor.errors.StorageFull` when there is no room), with the
@@ -49,8 +51,14 @@ class Backend(Protocol):
     def load(self, name: str) -> bytes:
         """The bytes of object ``name``."""
 
-    def load_into(self, name: str, buffer: memoryview) -> memoryview | bytes:
-        """The bytes of object ``name``: the front of ``buffer`` if they were read into it, else new bytes."""
+    def load_into(
+        self, name: str, buffer: memoryview, offset: int = 0, length: int = -1
+    ) -> memoryview | bytes:
+        """``length`` bytes of object ``name`` from ``offset`` (-1: to its end): the front of ``buffer``
+        if they were read into it, else new bytes; fewer where the object ends sooner."""
+
+    def writer(self, name: str) -> ObjectWriter:
+        """A new object ``name``, written in parts; it exists once :meth:`ObjectWriter.commit` returns."""
 
     def exists(self, name: str) -> bool: ...
 
@@ -63,6 +71,17 @@ class Backend(Protocol):
         """Make every object stored so far durable."""
 
     def close(self) -> None: ...
+
+
+class ObjectWriter(Protocol):
+    def write(self, *parts: bytes | memoryview) -> None:
+        """Append ``parts`` (the caller may reuse their memory once this returns)."""
+
+    def commit(self) -> None:
+        """Make the object appear, whole, under its name (durable after the backend's next ``sync``)."""
+
+    def abort(self) -> None:
+        """Drop what was written; idempotent, and harmless after ``commit``."""
 
 
 def check_name(name: str) -> str:
@@ -107,31 +126,15 @@ class FolderBackend:
             raise _error(exc, f"cannot create the store folder {self.root}") from exc
 
     def store(self, name: str, *parts: bytes | memoryview) -> None:
-        path = self._path(name)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        writer = self.writer(name)
         try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with self._lock:  # the new folders' entries must reach the disk too
-                    self._dirty.update(p for p in path.parents if p == self.root or self.root in p.parents)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                for part in parts:
-                    view = memoryview(part)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                system.start_writeback(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise _error(exc, f"cannot write {name} in {self.root}") from exc
-        with self._lock:
-            self._dirty.add(path.parent)
-            self._unsynced.add(path)
+            writer.write(*parts)
+            writer.commit()
+        finally:
+            writer.abort()
+
+    def writer(self, name: str) -> _FileWriter:
+        return _FileWriter(self, name)
 
     def load(self, name: str) -> bytes:
         try:
@@ -141,8 +144,10 @@ class FolderBackend:
         except OSError as exc:
             raise _error(exc, f"cannot read {name} from {self.root}") from exc
 
-    def load_into(self, name: str, buffer: memoryview) -> memoryview | bytes:
-        """Read into ``buffer`` (no new memory to touch) when the object fits in it."""
+    def load_into(
+        self, name: str, buffer: memoryview, offset: int = 0, length: int = -1
+    ) -> memoryview | bytes:
+        """Read into ``buffer`` (no new memory to touch) when the bytes fit in it."""
         try:
             fd = os.open(self._path(name), os.O_RDONLY)
         except FileNotFoundError as exc:
@@ -150,12 +155,14 @@ class FolderBackend:
         except OSError as exc:
             raise _error(exc, f"cannot read {name} from {self.root}") from exc
         try:
-            size = os.fstat(fd).st_size
+            size = max(0, os.fstat(fd).st_size - offset)
+            if length >= 0:
+                size = min(size, length)
             if size > len(buffer):
-                return self.load(name)
+                return os.pread(fd, size, offset)
             done = 0
             while done < size:
-                got = os.preadv(fd, [buffer[done:size]], done)
+                got = os.preadv(fd, [buffer[done:size]], offset + done)
                 if not got:
                     raise OSError(errno.EIO, "the object got shorter while it was read")
                 done += got
@@ -230,6 +237,68 @@ class FolderBackend:
 
     def close(self) -> None:
         self.sync()
+
+
+class _FileWriter:
+    """An object of a :class:`FolderBackend` written in parts: a temp file, renamed at ``commit``.
+
+    Each part's writeback starts as soon as it is written, so a big object (a pack) streams to the disk
+    while it is being built.
+    """
+
+    def __init__(self, backend: FolderBackend, name: str) -> None:
+        self._backend = backend
+        self._name = name
+        self._path = backend._path(name)
+        self._tmp = self._path.with_name(f".{self._path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        self._size = 0
+        try:
+            try:
+                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileNotFoundError:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                root = backend.root
+                with backend._lock:  # the new folders' entries must reach the disk too
+                    backend._dirty.update(p for p in self._path.parents if p == root or root in p.parents)
+                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise _error(exc, f"cannot write {name} in {backend.root}") from exc
+        self._open = True
+
+    def write(self, *parts: bytes | memoryview) -> None:
+        began = self._size
+        try:
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+                    self._size += written
+            system.start_writeback(self._fd, began, self._size - began)
+        except OSError as exc:
+            self.abort()
+            raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+
+    def commit(self) -> None:
+        if not self._open:
+            raise StoreError(f"{self._name} was dropped before it was complete")
+        self._open = False
+        try:
+            os.close(self._fd)
+            os.rename(self._tmp, self._path)
+        except OSError as exc:
+            self._tmp.unlink(missing_ok=True)
+            raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+        with self._backend._lock:
+            self._backend._dirty.add(self._path.parent)
+            self._backend._unsynced.add(self._path)
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._tmp.unlink(missing_ok=True)
 
 
 def open_backend(url: str, *, s3_endpoint: str | None = None, workers: int = 8) -> Backend:

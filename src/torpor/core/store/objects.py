@@ -33,6 +33,7 @@ FLAG_SEALED = 2
 KIND_CHUNK = 1
 KIND_MANIFEST = 2
 KIND_CONFIG = 3
+KIND_INDEX = 4
 
 #: store compressed only when it saves at least this fraction
 _MIN_SAVING = 0.03

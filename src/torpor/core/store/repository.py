@@ -3,14 +3,22 @@
 Layout of objects in the backend::
 
     config                  format, version, chunk size, encryption and key check (plain JSON)
-    chunks/ab/ab12…         one chunk, named by the hex digest of its plaintext (see objects.py)
+    packs/ab/ab12…          chunks, one after another, each a stored object of its own (objects.py)
+    index/<random>          where each chunk of some packs lies: (chunk, pack, offset, length)
     manifests/<id>          one checkpoint (manifest.py), stored after all of its chunks
     pins/<id>               a pinned checkpoint, kept by retention
     locks/<kind>-<random>   writers (shared) and gc (exclusive), see lock.py
+    chunks/ab/ab12…         one chunk per object: stores of format 1, still read
 
 Images are cut into chunks of at most ``chunk_size`` bytes. A ``pages-N.img`` is cut along virtual
 addresses (pagemap.py), any other file along its offsets. All-zero chunks are not stored at all. A chunk
-already in the store is not stored again, whichever checkpoint or job it came from.
+already in the store is not stored again, whichever checkpoint or job it came from. A chunk is named by
+the hex digest of its plaintext.
+
+New chunks go into packs of about ``pack_size`` bytes (one open pack per writing thread): a thousand
+1 MiB objects cost a disk far more than a few 32 MiB ones (and a bucket a thousand requests). Each
+writing session stores one index for all of its packs, after them and before any manifest that needs
+them; ``gc`` rewrites packs that hold unreferenced chunks and merges every index into one.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import contextlib
 import json
 import mmap
 import os
+import struct
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -33,19 +43,36 @@ from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
 from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
-from torpor.core.store.objects import HEADER, KIND_CHUNK, KIND_MANIFEST, Codec
+from torpor.core.store.objects import HEADER, KIND_CHUNK, KIND_INDEX, KIND_MANIFEST, Codec
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem, ObjectNotFound, StoreError
 
 STORE_FORMAT = "torpor-store"
-STORE_VERSION = 1
+#: 2: chunks in packs; 1: one object per chunk (read still, and turned into 2 by the first open)
+STORE_VERSION = 2
 DEFAULT_CHUNK_SIZE = 1 << 20
+#: a pack is closed once it holds this many bytes
+DEFAULT_PACK_SIZE = 32 << 20
 #: the zeros :meth:`Repository.file_data` yields for zero extents (one chunk size of them)
 ZEROS = bytes(DEFAULT_CHUNK_SIZE)
 
 T = TypeVar("T")
 
+#: for ``Backend.load_into``: new bytes, always
+_NO_BUFFER = memoryview(b"")
+
 #: (bytes done, bytes in all)
 ProgressFn = Callable[[int, int], None]
+
+#: where a chunk's stored object lies: (object name, offset, length; -1: all of the object)
+Location = tuple[str, int, int]
+#: a pack's chunks: (chunk, offset in the pack, length of its stored object)
+PackEntry = tuple[ChunkId, int, int]
+
+#: an index: magic and number of packs, then each pack's id (16 bytes), then each chunk's entry
+_INDEX_HEAD = struct.Struct("<4sI")
+_INDEX_MAGIC = b"TPIX"
+_INDEX_ENTRY = struct.Struct("<32sIQI")  # chunk digest, number of its pack, offset, length
+_PACK_ID_BYTES = 16
 
 #: a piece of an image file: (file name, offset, length)
 Piece = tuple[str, int, int]
@@ -91,17 +118,65 @@ def plan_image(
 
 
 def chunk_name(chunk: str) -> str:
+    """The object of one chunk in a store of format 1."""
     return f"chunks/{chunk[:2]}/{chunk}"
 
 
+def pack_name(pack: str) -> str:
+    return f"packs/{pack[:2]}/{pack}"
+
+
+def index_bytes(packs: Mapping[str, Iterable[PackEntry]]) -> bytes:
+    """The plaintext of an index of ``packs`` (pack id -> its chunks)."""
+    ids = sorted(packs)
+    out = [_INDEX_HEAD.pack(_INDEX_MAGIC, len(ids)), *(bytes.fromhex(pack) for pack in ids)]
+    for number, pack in enumerate(ids):
+        out.extend(
+            _INDEX_ENTRY.pack(bytes.fromhex(chunk), number, offset, length)
+            for chunk, offset, length in packs[pack]
+        )
+    return b"".join(out)
+
+
+def parse_index(raw: bytes | memoryview, what: str) -> Iterator[tuple[ChunkId, str, int, int]]:
+    """(chunk, pack id, offset, length) of each entry of an index; CorruptImage if it is malformed."""
+    view = memoryview(raw)
+    if len(view) < _INDEX_HEAD.size:
+        raise CorruptImage(f"{what} is truncated")
+    magic, count = _INDEX_HEAD.unpack_from(view)
+    start = _INDEX_HEAD.size + count * _PACK_ID_BYTES
+    if magic != _INDEX_MAGIC or len(view) < start or (len(view) - start) % _INDEX_ENTRY.size:
+        raise CorruptImage(f"{what} is not a torpor index")
+    ids = [
+        bytes(view[at : at + _PACK_ID_BYTES]).hex() for at in range(_INDEX_HEAD.size, start, _PACK_ID_BYTES)
+    ]
+    for digest, number, offset, length in _INDEX_ENTRY.iter_unpack(view[start:]):
+        if number >= count:
+            raise CorruptImage(f"{what} names a pack it does not list")
+        yield ChunkId(digest.hex()), ids[number], offset, length
+
+
 class Repository:
-    def __init__(self, backend: Backend, key: bytes | None = None, workers: int = 4) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        key: bytes | None = None,
+        workers: int = 4,
+        pack_size: int = DEFAULT_PACK_SIZE,
+    ) -> None:
         self.backend = backend
         self.codec = Codec(key)
         self.workers = max(1, workers)
+        self.pack_size = pack_size
         self.lock = RepositoryLock(backend)
         self.chunk_size = DEFAULT_CHUNK_SIZE
         self._opened = False
+        #: where each chunk the indexes read so far name lies (the first place an index gave)
+        self._where: dict[str, Location] = {}
+        #: the indexes read into ``_where``
+        self._indexes: set[str] = set()
+        self._index_guard = threading.Lock()
+        self._reads = self._fresh_reads = 0
 
     # -- config ---------------------------------------------------------------------------------------
 
@@ -126,6 +201,10 @@ class Repository:
             raise StoreError(f"the config of the store {self.backend.url} is unreadable") from exc
         if not isinstance(config, dict) or config.get("format") != STORE_FORMAT:
             raise StoreError(f"{self.backend.url} is not a torpor store")
+        if config.get("version") == 1:  # format 2 reads 1's chunks; 1 cannot read 2's packs
+            config["version"] = STORE_VERSION
+            self.backend.store("config", json.dumps(config).encode())
+            self.backend.sync()
         if config.get("version") != STORE_VERSION:
             raise StoreError(
                 f"the store {self.backend.url} has format {config.get('version')}; this torpor reads "
@@ -213,7 +292,7 @@ class Repository:
 
             files: list[FileEntry] = []
             last_report = 0.0
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="destage") as pool:
+            with storer, ThreadPoolExecutor(self.workers, thread_name_prefix="destage") as pool:
                 for plan in plans:
                     # mapped, not read: the chunks are hashed, compressed and written from the hot tier's
                     # pages without a copy
@@ -295,8 +374,7 @@ class Repository:
                     if not future.cancelled() and future.exception() is None:
                         prestored[piece] = future.result()
 
-        with self.lock.hold(SHARED, timeout=600) as held:
-            storer = _Storer(self)
+        with self.lock.hold(SHARED, timeout=600) as held, _Storer(self) as storer:
             pool = ThreadPoolExecutor(
                 max(1, workers), thread_name_prefix="prestore", initializer=_idle_priority
             )
@@ -476,7 +554,7 @@ class Repository:
 
         ``place`` (e.g. ``pages-1.img at offset 4096``) says where the chunk belongs, for the error.
         """
-        return self._chunk_plaintext(checkpoint_id, chunk, length, place, verify, self.backend.load)
+        return self._chunk_plaintext(checkpoint_id, chunk, length, place, verify, _NO_BUFFER)
 
     def chunk_into(
         self, checkpoint_id: str, chunk: str, length: int, buffer: memoryview, place: str | None = None
@@ -491,16 +569,9 @@ class Repository:
         start = mmap.PAGESIZE
         if len(buffer) < start + length:
             raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a chunk of {length}")
-        read_into: list[bool] = []
-
-        def load(name: str) -> bytes | memoryview:
-            blob = self.backend.load_into(name, buffer[start - HEADER.size :])
-            read_into.append(isinstance(blob, memoryview))
-            return blob
-
-        data = self._chunk_plaintext(checkpoint_id, chunk, length, place, True, load)
+        data = self._chunk_plaintext(checkpoint_id, chunk, length, place, True, buffer[start - HEADER.size :])
         # a plain chunk read into the buffer is already in place; decrypted or decompressed bytes are new
-        if not (read_into[0] and isinstance(data, memoryview)):
+        if not (isinstance(data, memoryview) and data.obj is buffer.obj):
             buffer[start : start + length] = data
         return buffer[start : start + length]
 
@@ -511,13 +582,13 @@ class Repository:
         length: int,
         place: str | None,
         verify: bool,
-        load: Callable[[str], bytes | memoryview],
+        buffer: memoryview,
     ) -> bytes | memoryview:
         what = (
             f"{place}: chunk {chunk[:16]}…" if place else f"chunk {chunk[:16]}… of checkpoint {checkpoint_id}"
         )
         try:
-            blob = load(chunk_name(chunk))
+            blob = self.load_chunk(chunk, buffer)
         except ObjectNotFound as exc:
             raise CorruptImage(f"checkpoint {checkpoint_id} is damaged: its {what} is missing") from exc
         try:
@@ -535,8 +606,78 @@ class Repository:
         except StoreError:
             return False
         if chunks is None:
-            chunks = {name.rsplit("/", 1)[-1] for name in self.backend.list("chunks")}
+            chunks = self.stored_chunks()
         return all(chunk in chunks for chunk in manifest.chunk_ids())
+
+    # -- where chunks are ---------------------------------------------------------------------------------
+
+    def load_chunk(self, chunk: str, buffer: memoryview = _NO_BUFFER) -> bytes | memoryview:
+        """The stored object of ``chunk``, unverified (the front of ``buffer`` where it was read into it).
+
+        Raises ObjectNotFound when the store does not have it.
+        """
+        self.open()
+        where = self._where.get(chunk)
+        if where is None:
+            self._read_indexes()  # an index stored since this looked
+            where = self._where.get(chunk)
+        if where is not None:
+            try:
+                return self.backend.load_into(where[0], buffer, where[1], where[2])
+            except ObjectNotFound:
+                self._read_indexes(fresh=True)  # gc rewrote the pack since this looked
+                where = self._where.get(chunk)
+                if where is not None:
+                    return self.backend.load_into(where[0], buffer, where[1], where[2])
+        return self.backend.load_into(chunk_name(chunk), buffer)  # one object per chunk (format 1)
+
+    def locate(self, chunk: str) -> Location:
+        """Where ``chunk``'s stored object lies, as the indexes say (a format 1 object if none names it)."""
+        self.open()
+        self._read_indexes()
+        return self._where.get(chunk) or (chunk_name(chunk), 0, -1)
+
+    def stored_chunks(self) -> set[str]:
+        """Every chunk in the store (by its indexes and the packs present: no chunk is read)."""
+        self.open()
+        self._read_indexes()
+        packs = set(self.backend.list("packs"))
+        chunks = {chunk for chunk, (name, _, _) in self._where.items() if name in packs}
+        chunks.update(name.rsplit("/", 1)[-1] for name in self.backend.list("chunks"))
+        return chunks
+
+    def _read_indexes(self, fresh: bool = False) -> None:
+        """Read the indexes stored since the last call (all of them if one went, or ``fresh``)."""
+        reads, fresh_reads = self._reads, self._fresh_reads
+        with self._index_guard:
+            if (self._fresh_reads if fresh else self._reads) != (fresh_reads if fresh else reads):
+                return  # another thread read them meanwhile (many miss the same chunks at once)
+            self._reads += 1
+            names = set(self.backend.list("index"))
+            if fresh or self._indexes - names:  # gc merged indexes: places may have changed
+                self._where, self._indexes = {}, set()
+                self._fresh_reads += 1
+            for name in sorted(names - self._indexes):
+                try:
+                    entries = self._index_entries(name)
+                except ObjectNotFound:
+                    continue  # merged by gc just now: the merged one is read next time
+                where = self._where
+                for chunk, pack, offset, length in entries:
+                    where.setdefault(chunk, (pack_name(pack), offset, length))
+                self._indexes.add(name)
+
+    def _index_entries(self, name: str) -> list[tuple[ChunkId, str, int, int]]:
+        what = f"the index {name} of the store {self.backend.url}"
+        return list(parse_index(self.codec.decode(KIND_INDEX, self.backend.load(name), what), what))
+
+    def _learn(self, name: str, packs: Mapping[str, Iterable[PackEntry]]) -> None:
+        """Note the index this process just stored (no need to read it back)."""
+        with self._index_guard:
+            for pack, entries in packs.items():
+                for chunk, offset, length in entries:
+                    self._where.setdefault(chunk, (pack_name(pack), offset, length))
+            self._indexes.add(name)
 
     # -- deleting ---------------------------------------------------------------------------------------
 
@@ -560,7 +701,13 @@ class Repository:
         return {name.rsplit("/", 1)[-1] for name in self.backend.list("pins")}
 
     def gc(self, timeout: float = 120.0) -> GcReport:
-        """Delete every chunk no manifest names; waits for writers, and writers wait for it."""
+        """Delete every chunk no manifest names; waits for writers, and writers wait for it.
+
+        A pack whose chunks are all unreferenced is deleted; one holding some is rewritten with the
+        others only. Then one index of every pack replaces all indexes. New packs and the new index are
+        durable before anything is deleted, so a crash at any point loses no referenced chunk (it may
+        leave duplicates or unindexed packs, which the next gc removes).
+        """
         self.open()
         with self.lock.hold(EXCLUSIVE, timeout=timeout) as held:
             referenced: set[str] = set()
@@ -569,8 +716,45 @@ class Repository:
                 # a manifest that cannot be read aborts gc: its chunks must not be taken for garbage
                 referenced.update(self.manifest(checkpoint_id).chunk_ids())
                 held.refresh()
-            kept = deleted = 0
-            for name in list(self.backend.list("chunks")):
+            indexes = sorted(self.backend.list("index"))
+            present = {name.rsplit("/", 1)[-1] for name in self.backend.list("packs")}
+            kept_at: dict[ChunkId, tuple[str, int, int]] = {}  # referenced chunk -> (pack, offset, length)
+            entries_of: dict[str, int] = {}  # pack -> its entries in all indexes
+            for name in indexes:
+                for chunk, pack, offset, length in self._index_entries(name):
+                    entries_of[pack] = entries_of.get(pack, 0) + 1
+                    if chunk in referenced and chunk not in kept_at and pack in present:
+                        kept_at[chunk] = (pack, offset, length)
+                held.refresh()
+            live: dict[str, list[PackEntry]] = {}
+            for kept_chunk, (pack, offset, length) in kept_at.items():
+                live.setdefault(pack, []).append((kept_chunk, offset, length))
+            whole = {pack: entries for pack, entries in live.items() if len(entries) == entries_of[pack]}
+            deleted = sum(entries_of.values()) - len(kept_at)
+            if deleted or len(indexes) > 1 or present - set(whole):
+                packs = _Packs(self)
+                try:
+                    for pack, entries in live.items():
+                        if pack not in whole:  # some of its chunks are garbage: copy the others
+                            for chunk, offset, length in entries:
+                                packs.add(
+                                    chunk,
+                                    self.backend.load_into(pack_name(pack), _NO_BUFFER, offset, length),
+                                )
+                                held.refresh()
+                    index = packs.finish(also=whole)
+                except BaseException:
+                    packs.abort()
+                    raise
+                self.backend.sync()
+                for name in indexes:
+                    if name != index:
+                        self.backend.delete(name)
+                for pack in present - set(whole):
+                    self.backend.delete(pack_name(pack))
+                    held.refresh()
+            kept = len(kept_at)
+            for name in list(self.backend.list("chunks")):  # stores of format 1
                 held.refresh()  # a long gc must not look stale to writers
                 if name.rsplit("/", 1)[-1] in referenced:
                     kept += 1
@@ -581,6 +765,8 @@ class Repository:
             if remove_leftovers is not None:
                 remove_leftovers()
             self.backend.sync()
+            with self._index_guard:
+                self._where, self._indexes = {}, set()
         return GcReport(len(ids), kept, deleted)
 
     def close(self) -> None:
@@ -595,15 +781,28 @@ def _idle_priority() -> None:
 
 
 class _Storer:
-    """Hashes pieces of an image and stores each chunk the store lacks, once (thread-safe)."""
+    """Hashes pieces of an image and stores each chunk the store lacks, once (thread-safe).
+
+    A context: new chunks go into packs, which leave it committed and indexed (or dropped, on an error).
+    """
 
     def __init__(self, repo: Repository) -> None:
         self.repo = repo
         #: the chunks in the store when this began (listed under the writers' lock: gc cannot drop them)
-        self.known = {name.rsplit("/", 1)[-1] for name in repo.backend.list("chunks")}
+        self.known = repo.stored_chunks()
         self._claimed: set[bytes] = set()
         self._guard = threading.Lock()
         self._zero = bytes(repo.chunk_size)
+        self._packs = _Packs(repo)
+
+    def __enter__(self) -> _Storer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._packs.finish()
+        else:
+            self._packs.abort()
 
     def store(self, data: memoryview) -> tuple[ChunkId | None, int]:
         """(chunk, bytes newly stored); (None, 0) for all zeros, which cost nothing."""
@@ -618,8 +817,77 @@ class _Storer:
         if not fresh:
             return chunk, 0
         header, payload = codec.encode_parts(KIND_CHUNK, data, digest)
-        self.repo.backend.store(chunk_name(chunk), header, payload)
+        self._packs.add(chunk, header, payload)
         return chunk, len(header) + len(payload)
+
+
+class _OpenPack:
+    def __init__(self, repo: Repository) -> None:
+        self.id = uuid.uuid4().hex
+        self.writer = repo.backend.writer(pack_name(self.id))
+        self.size = 0
+        self.entries: list[PackEntry] = []
+
+
+class _Packs:
+    """Chunks written into packs, one open pack per thread, then one index of them all (thread-safe).
+
+    :meth:`add` appends a chunk's stored object to the calling thread's pack and commits the pack once
+    it reaches the store's pack size. :meth:`finish` commits the packs still open and stores the index
+    (nothing can read the packs before that); :meth:`abort` drops the open ones (committed ones without
+    an index are left to gc).
+    """
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        self._local = threading.local()
+        self._guard = threading.Lock()
+        self._open: list[_OpenPack] = []
+        #: committed packs: id -> their chunks
+        self.committed: dict[str, list[PackEntry]] = {}
+
+    def add(self, chunk: ChunkId, *parts: bytes | memoryview) -> None:
+        pack: _OpenPack | None = getattr(self._local, "pack", None)
+        if pack is None:
+            pack = self._local.pack = _OpenPack(self.repo)
+            with self._guard:
+                self._open.append(pack)
+        length = sum(len(part) for part in parts)
+        pack.writer.write(*parts)
+        pack.entries.append((chunk, pack.size, length))
+        pack.size += length
+        if pack.size >= self.repo.pack_size:
+            self._local.pack = None
+            self._commit(pack)
+
+    def _commit(self, pack: _OpenPack) -> None:
+        pack.writer.commit()
+        with self._guard:
+            self._open.remove(pack)
+            self.committed[pack.id] = pack.entries
+
+    def finish(self, also: Mapping[str, list[PackEntry]] | None = None) -> str | None:
+        """Commit the open packs, then store one index of every pack committed (and of ``also``).
+
+        Returns the index's name (None when there was nothing to index). Call it once every ``add``
+        has returned.
+        """
+        for pack in list(self._open):
+            self._commit(pack)
+        self._local = threading.local()
+        packs = {**(also or {}), **self.committed}
+        if not packs:
+            return None
+        name = f"index/{uuid.uuid4().hex}"
+        self.repo.backend.store(name, self.repo.codec.encode(KIND_INDEX, index_bytes(packs)))
+        self.repo._learn(name, packs)
+        return name
+
+    def abort(self) -> None:
+        with self._guard:
+            dropped, self._open = self._open, []
+        for pack in dropped:
+            pack.writer.abort()
 
 
 def _written_pieces(

@@ -43,7 +43,7 @@ from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_al
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
-from torpor.core.store.repository import Repository, chunk_name, verify_extents
+from torpor.core.store.repository import Repository, verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
 from torpor.settings import Settings
 
@@ -318,7 +318,7 @@ class TieredStore:
         for record in self.hot.records():
             if record.job == job and record.id != bad_id:
                 candidates.append((record.created_at, record.id))
-        chunks = {name.rsplit("/", 1)[-1] for name in self.repo.backend.list("chunks")}
+        chunks = self.repo.stored_chunks()
         for checkpoint_id in self.repo.ids():
             if checkpoint_id == bad_id:
                 continue
@@ -341,9 +341,7 @@ class TieredStore:
 
     def _chunk_ok(self, chunk: str) -> bool:
         try:
-            self.repo.codec.decode(
-                KIND_CHUNK, self.repo.backend.load(chunk_name(chunk)), chunk, bytes.fromhex(chunk)
-            )
+            self.repo.codec.decode(KIND_CHUNK, self.repo.load_chunk(chunk), chunk, bytes.fromhex(chunk))
         except StoreError:
             return False
         return True
