@@ -123,11 +123,14 @@ def write_image(folder: Path, regions: dict[int, bytes], pages_id: int = 1, extr
     return folder
 
 
-def flip_chunk_bit(repo: Repository, chunk: str, at: int, mask: int = 0x01) -> None:
-    """Flip bits of ``chunk``'s stored object in the store, ``at`` bytes into it (from its end if < 0)."""
+def flip_chunk_bit(repo: Repository, chunk: str, at: int | None = None, mask: int = 0x01) -> None:
+    """Flip bits of ``chunk``'s stored object in the store, ``at`` bytes into it (from its end if < 0;
+    None: in its middle)."""
     name, offset, length = repo.locate(chunk)
     blob = bytearray(repo.backend.load(name))
     end = len(blob) if length < 0 else offset + length
+    if at is None:
+        at = (end - offset) // 2
     blob[end + at if at < 0 else offset + at] ^= mask
     repo.backend.store(name, bytes(blob))
 

@@ -112,7 +112,7 @@ def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, 
     repo = Repository(FolderBackend(torpor.home / "images"))
     pages = next(f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
     chunk = next(c for _, _, c in pages.extents if c)
-    flip_chunk_bit(repo, chunk, 4096, 0x10)
+    flip_chunk_bit(repo, chunk, mask=0x10)
     result = torpor.run("resume", "f", check=False)
     assert result.returncode == 6
     assert "Traceback" not in result.stderr

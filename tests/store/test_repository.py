@@ -287,10 +287,10 @@ def test_chunks_stored_during_the_dump_are_used_only_for_the_very_same_piece(tmp
         tmp_path / "full", {BASE: _random(3 * MiB), BASE + 64 * MiB + MiB // 2: _random(3 * MiB)}
     )
     dumping = _dump_in_progress(full, tmp_path / "dumping", written=5 * MiB, entries=1)
-    prestored: Prestored = {}
-    repo.prestore(dumping, prestored, finished=_after(lambda: len(prestored) >= 4))
+    prestored = Prestored()
+    repo.prestore(dumping, prestored, finished=_after(lambda: len(prestored.pieces) >= 4))
     # the first mapping's three windows, and one guessed window of the second (the last one is left)
-    assert sorted(prestored) == [("pages-1.img", n * MiB, MiB) for n in range(4)]
+    assert sorted(prestored.pieces) == [("pages-1.img", n * MiB, MiB) for n in range(4)]
     manifest = repo.write("c", "job", full, {}, prestored=prestored)
     assert manifest.sizes["prestored"] == 3 * MiB
     repo.read("c", tmp_path / "out")
@@ -302,10 +302,10 @@ def test_a_chunk_stored_during_the_dump_then_lost_is_stored_again(tmp_path: Path
     backend = FolderBackend(tmp_path / "store")
     repo = Repository(backend)
     full = write_image(tmp_path / "full", {BASE: _random(4 * MiB)})
-    prestored: Prestored = {}
+    prestored = Prestored()
     dumping = _dump_in_progress(full, tmp_path / "dumping", 4 * MiB, 1)
-    repo.prestore(dumping, prestored, _after(lambda: len(prestored) >= 3))  # the last piece is left
-    lost, _ = prestored[("pages-1.img", 0, MiB)]
+    repo.prestore(dumping, prestored, _after(lambda: len(prestored.pieces) >= 3))  # the last piece is left
+    lost, _ = prestored.pieces[("pages-1.img", 0, MiB)]
     assert lost is not None
     assert repo.gc().chunks_deleted == 3  # e.g. gc ran between the dump and the write
     manifest = repo.write("c", "job", full, {}, prestored=prestored)

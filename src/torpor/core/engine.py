@@ -155,7 +155,7 @@ def checkpoint_in_launcher(
     committed = False
     try:
         rss = system.rss_bytes(pids)
-        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss)
+        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
         dump_started = time.monotonic()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,11 +79,12 @@ class GcResult:
 
 
 class ImageStore(Protocol):
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None) -> Path:
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None, pids: Sequence[int] = ()) -> Path:
         """A new empty folder for CRIU to dump into, placed so that :meth:`put` is cheap.
 
         ``size_hint`` (the job's resident bytes) lets the store send a dump that would not fit into RAM
-        straight to the cold tier.
+        straight to the cold tier. ``pids``: the processes being dumped, whose memory the store may
+        read while CRIU holds them frozen (to store it before CRIU has written it).
         """
 
     def put(

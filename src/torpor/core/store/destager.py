@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
-from torpor.core.store.hot import HotRecord, owner_alive
+from torpor.core.store.hot import HotRecord, dumped_pids, owner_alive
 from torpor.core.store.repository import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
@@ -124,12 +124,17 @@ def run(store: TieredStore) -> int:
                     continue
                 partial = fresh[0]
                 checkpoint_id = partial.name.removesuffix(".partial")
-                prestored = ahead[checkpoint_id] = {}
+                prestored = ahead[checkpoint_id] = Prestored()
                 try:
                     store.repo.prestore(
                         partial,
                         prestored,
                         finished=functools.partial(_dump_over, partial, linger_until),
+                        memory_of=dumped_pids(partial),
+                    )
+                    _log(
+                        f"{checkpoint_id}: stored while it was dumped: {prestored.memory_read / 2**20:.0f} MiB "
+                        f"of memory, {sum(piece[2] for piece in prestored.pieces) / 2**20:.0f} MiB of its image"
                     )
                 except (TorporError, OSError) as exc:  # only a head start: destaging says what is wrong
                     _log(f"{checkpoint_id}: storing while it is dumped failed: {exc}")

@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from torpor.errors import CheckpointNotFound, CorruptImage, StorageFull, StoreEr
 
 RECORD = ".torpor.json"
 OWNER = ".owner"
+#: in a dump's staging folder: the processes being dumped, one per line
+PIDS = ".pids"
 RECORD_FORMAT = "torpor-hot-image"
 RECORD_VERSION = 1
 
@@ -75,6 +77,21 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
+
+
+def write_owner(partial: Path, pids: Sequence[int] = ()) -> None:
+    """Mark a new ``.partial`` folder as this process's dump, of ``pids`` (for :func:`dumped_pids`)."""
+    if pids:
+        (partial / PIDS).write_text("".join(f"{pid}\n" for pid in pids))
+    (partial / OWNER).write_text(str(os.getpid()))
+
+
+def dumped_pids(partial: Path) -> list[int]:
+    """The processes a dump in progress into ``partial`` is of (none if it did not say)."""
+    try:
+        return [int(line) for line in (partial / PIDS).read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def owner_alive(partial: Path) -> bool:
@@ -150,7 +167,7 @@ class HotTier:
 
     # -- staging ------------------------------------------------------------------------------------
 
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None) -> Path | None:
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None, pids: Sequence[int] = ()) -> Path | None:
         """A folder to dump into, or ``None`` when the hint says the image will not fit."""
         self.ensure()
         need = size_hint or 0
@@ -160,7 +177,7 @@ class HotTier:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             partial.mkdir()
-            (partial / OWNER).write_text(str(os.getpid()))
+            write_owner(partial, pids)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
             return None if exc.errno == 28 else _raise(exc, self.root)
@@ -196,6 +213,7 @@ class HotTier:
         record = HotRecord(checkpoint_id, job, float(meta.get("created_at") or time.time()), files, meta=meta)
         try:
             self._write(partial, record)
+            (partial / PIDS).unlink(missing_ok=True)
             (partial / OWNER).unlink(missing_ok=True)
             os.rename(partial, final)
         except OSError as exc:

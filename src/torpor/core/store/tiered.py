@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from torpor.core.store.base import (
     StoredImage,
     is_bulk,
 )
-from torpor.core.store.hot import OWNER, HotRecord, HotTier, hash_file, owner_alive
+from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, write_owner
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
@@ -79,8 +79,8 @@ class TieredStore:
 
     # -- writing --------------------------------------------------------------------------------------
 
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None) -> Path:
-        hot = self.hot.staging_dir(checkpoint_id, size_hint)
+    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None, pids: Sequence[int] = ()) -> Path:
+        hot = self.hot.staging_dir(checkpoint_id, size_hint, pids)
         if hot is not None:
             self.kick()  # a destager starting now is ready when the dump ends
             return hot
@@ -89,7 +89,7 @@ class TieredStore:
             self.cold_staging.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
-            (partial / OWNER).write_text(str(os.getpid()))
+            write_owner(partial, pids)
         except OSError as exc:
             raise StoreError(
                 f"cannot create a staging folder in {self.cold_staging}: {exc.strerror}"
