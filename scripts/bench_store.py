@@ -17,8 +17,9 @@
 7. **Destager throughput per core**: chunking + hashing + compressing + storing a 1 GiB random image with
    one worker thread, and with two.
 
-Each timing is the median of ``--repeat`` runs, torpor and raw alternating which goes first. Writes
-its section of ``docs/benchmarks.md`` between ``<!-- store:begin -->`` and ``<!-- store:end -->``.
+Each timing is the median of ``--repeat`` runs (freeze and durable rotate which side goes first; the
+raw restore goes first). Writes its section of ``docs/benchmarks.md`` between ``<!-- store:begin -->``
+and ``<!-- store:end -->``.
 """
 
 from __future__ import annotations
@@ -263,11 +264,12 @@ class Bench:
             launcher_gone(self, name)
             settle(drop=False)
             raw_t.append(self.raw_restore(raw_dir))
-            shutil.rmtree(raw_dir)
             settle(drop=False)
             began = time.monotonic()
             self.engine.restore(name)
             hot_t.append(time.monotonic() - began)
+            # deleted only now: this disk discards a deleted file's blocks, which slows its next writes
+            shutil.rmtree(raw_dir)
             # cold: a hibernated image leaves RAM once durable, so its restore reads the cold tier
             _, _, hibernated, _ = self.checkpoint(name, hibernate=True)
             launcher_gone(self, name)
@@ -426,7 +428,7 @@ def main() -> int:
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_store.py --repeat "
         f"{args.repeat}` in {time.monotonic() - started:.0f} s on {os.cpu_count()} cores; cold tier: a folder on "
-        f"{work.parent} (disk), hot tier: torpor's own tmpfs in /dev/shm (huge=within_size); timings are medians, torpor and raw CRIU alternating.",
+        f"{work.parent} (disk), hot tier: torpor's own tmpfs in /dev/shm (huge=within_size); timings are medians; freeze and durable samples alternate which side goes first, restores take raw CRIU first.",
         "",
         "| measurement | torpor | raw CRIU | ratio | bar |",
         "|---|---|---|---|---|",
@@ -437,17 +439,19 @@ def main() -> int:
         "- *Freeze*: torpor's freeze is CRIU's own dump into the hot tier, a tmpfs torpor mounts with huge "
         "pages; CRIU writes into it faster than into plain /dev/shm (4 KiB pages) or a disk's page cache. "
         "The second row compares with raw CRIU dumping into the same tmpfs.",
-        "- *Durable*: a destager starts as the dump begins. While CRIU writes, it stores the pieces "
-        "already written on one idle-priority thread (CRIU's pagemap lags ~200 MiB behind the pages, so "
-        "this is a head start, not a stream); when the dump ends it hashes, compresses and writes the "
-        "remaining ~1 MiB chunk files in one pass, their writeback starting at once, and makes them "
-        "durable with one syncfs before the manifest goes in. Both sides write the same 1 GiB to this "
-        "disk (random memory does not compress), which takes ~0.7 s; torpor first dumps into RAM.",
+        "- *Durable*: a destager starts as the dump begins. While CRIU holds the job stopped before it "
+        "gathers the pages (here mostly its nftables network lock, ~0.4 s), one idle-priority thread "
+        "reads the pages CRIU will dump from the job itself and stores them as chunks; while CRIU writes, "
+        "another stores the pieces already written. When the dump ends the destager hashes every piece "
+        "of the image (finding those chunks stored), compresses and appends the others to ~32 MiB pack "
+        "files, their writeback starting at once, and makes them durable with one syncfs before the "
+        "manifest goes in. Both sides write the same 1 GiB to this disk (random memory does not "
+        "compress); torpor first dumps into RAM.",
         "- *Restore*, hot tier: the image is linked into the restore folder; everything but the memory "
         "pages is verified before CRIU starts, the pages while CRIU reads them, and a CRIU action script "
         "holds the restored job at its post-restore step until the verdict. Cold tier: `criu restore "
         "--stream` reads every file from torpor's image streamer; the pages come straight from the "
-        "store's chunk files: each is read into a small ring of buffers, verified there, and lent to "
+        "store's pack files: each chunk is read into a small ring of buffers, verified there, and lent to "
         "CRIU's pipe by reference (vmsplice), so CRIU copies it once, into the process. "
         "The job's launcher is forked from the CLI, not started as a new interpreter.",
         "- *Lazy restore*: only what CRIU reads itself is fetched first (a few MiB); the job then runs "
