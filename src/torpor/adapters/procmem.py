@@ -3,9 +3,9 @@
 CRIU holds a process it dumps stopped for a while (seizing it, locking the network, collecting its
 namespaces and mappings) before its parasite gathers the pages, and writes the pages file only after
 that. A store that reads the same pages meanwhile (``process_vm_readv``) can hash and store them before
-the file exists; what CRIU then writes dedups against them. It is only a guess at CRIU's pages: nothing read here is trusted, the pages file is still
-hashed, and a page read wrong (the process ran again, or CRIU dumped it differently) costs only the
-work.
+the file exists; what CRIU then writes dedups against them. It is only a guess at CRIU's pages:
+nothing read here is trusted, the pages file is still hashed, and a page read wrong (the process ran
+again, or CRIU dumped it differently) costs only the work.
 
 Which pages CRIU dumps (``should_dump_page`` in CRIU's ``mem.c``): in private mappings, pages present
 or swapped out, except pages mapped to the kernel's shared zero page and, in private file mappings,
@@ -19,8 +19,9 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 PAGE_SIZE = mmap.PAGESIZE
 _PFN_MASK = (1 << 55) - 1
@@ -91,26 +92,46 @@ def zero_page_frame() -> int | None:
     return frame if entry & _PRESENT and frame else None
 
 
-def windows(pid: int, size: int, zero_frame: int | None) -> Iterator[Window]:
-    """The pages of ``pid`` CRIU would dump, by ``size``-aligned windows of addresses, lowest first."""
+def windows(
+    pid: int, size: int, zero_frame: int | None, until: Callable[[], bool] = lambda: False
+) -> Iterator[Window]:
+    """The pages of ``pid`` CRIU would dump, by ``size``-aligned windows of addresses, lowest first.
+
+    Lazy: a mapping's page table is read a slice at a time (a process may map terabytes it never
+    touches); it stops early once ``until()``.
+    """
     with open(f"/proc/{pid}/maps", "rb") as f:
         maps = f.read().decode(errors="replace").splitlines()
-    runs: list[tuple[int, int]] = []
     with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            name = fields[5] if len(fields) > 5 else ""
-            if fields[1][3] != "p" or name in ("[vvar]", "[vvar_vclock]", "[vsyscall]"):
-                continue  # shared mappings go to other images; these are the kernel's
-            if name == "[vdso]":
-                runs.append((start, end - start))
-                continue
-            pagemap.seek(start // PAGE_SIZE * 8)
-            entries = pagemap.read((end - start) // PAGE_SIZE * 8)
-            file_backed = bool(name) and not name.startswith("[")
-            runs.extend(_dumped_runs(start, entries, file_backed, zero_frame))
-    yield from _by_window(runs, size)
+        yield from _by_window(_runs(maps, pagemap, zero_frame, until), size)
+
+
+#: address space whose page table entries are read at once (512 KiB of them)
+_SLICE = 64 << 10 << 12
+
+
+def _runs(
+    maps: list[str], pagemap: BinaryIO, zero_frame: int | None, until: Callable[[], bool]
+) -> Iterator[tuple[int, int]]:
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        perms, name = fields[1], fields[5] if len(fields) > 5 else ""
+        if perms[3] != "p" or name in ("[vvar]", "[vvar_vclock]", "[vsyscall]"):
+            continue  # shared mappings go to other images; these are the kernel's
+        if name == "[vdso]":
+            yield start, end - start
+            continue
+        if perms[0] != "r":
+            continue  # unreadable from outside as well (CRIU dumps such pages, if any: a miss here)
+        file_backed = bool(name) and not name.startswith("[")
+        for at in range(start, end, _SLICE):
+            if until():
+                return
+            stop = min(end, at + _SLICE)
+            pagemap.seek(at // PAGE_SIZE * 8)
+            entries = pagemap.read((stop - at) // PAGE_SIZE * 8)
+            yield from _dumped_runs(at, entries, file_backed, zero_frame)
 
 
 #: by the top byte of a pagemap entry (bits 56-63): whether CRIU dumps the page, in an anonymous and in
@@ -136,7 +157,7 @@ def _dumped_runs(
     ]
 
 
-def _by_window(runs: list[tuple[int, int]], size: int) -> Iterator[Window]:
+def _by_window(runs: Iterator[tuple[int, int]], size: int) -> Iterator[Window]:
     current: list[tuple[int, int]] = []
     index = -1
     for address, length in runs:

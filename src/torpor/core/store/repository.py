@@ -412,10 +412,13 @@ class Repository:
                 zero = procmem.zero_page_frame()
                 buffer = bytearray(self.chunk_size)
                 for pid in memory_of:
-                    for n, window in enumerate(procmem.windows(pid, self.chunk_size, zero)):
+                    for n, window in enumerate(procmem.windows(pid, self.chunk_size, zero, stop.is_set)):
                         if stop.is_set() or (n % 8 == 0 and not procmem.stopped(pid)):
                             return  # CRIU's parasite runs in it now, or the dump is over
-                        size = procmem.read(pid, window.runs, memoryview(buffer))
+                        try:
+                            size = procmem.read(pid, window.runs, memoryview(buffer))
+                        except OSError:
+                            continue  # e.g. a mapping CRIU does not let us read: only that window
                         chunk, new = storer.store(memoryview(buffer)[:size])
                         prestored.memory_read += size
                         if chunk is not None and new:
