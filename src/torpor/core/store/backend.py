@@ -1,8 +1,8 @@
 """Backends: flat namespaces of named, immutable objects — the one seam between the store and storage.
 
 A backend knows nothing of chunks, manifests or encryption; it stores bytes under names like
-``packs/ab/ab12…`` and gives them back, whole or a range of them. Every backend keeps the same small contract (checked by one
-contract test suite, ``tests/store/test_backends.py``):
+``packs/ab/ab12…`` and gives them back, whole or a range of them. Every backend keeps the same small
+contract (checked by one contract test suite, ``tests/store/test_backends.py``):
 
 * ``store`` is atomic: a reader sees the old object, no object, or the whole new one — never a part;
   once ``sync`` returns, every object stored before it survives a crash;

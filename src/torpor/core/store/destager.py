@@ -132,9 +132,11 @@ def run(store: TieredStore) -> int:
                         finished=functools.partial(_dump_over, partial, linger_until),
                         memory_of=dumped_pids(partial),
                     )
+                    memory = prestored.memory_read / 2**20
+                    image = sum(piece[2] for piece in prestored.pieces) / 2**20
                     _log(
-                        f"{checkpoint_id}: stored while it was dumped: {prestored.memory_read / 2**20:.0f} MiB "
-                        f"of memory, {sum(piece[2] for piece in prestored.pieces) / 2**20:.0f} MiB of its image"
+                        f"{checkpoint_id}: stored while it was dumped: {memory:.0f} MiB of memory, "
+                        f"{image:.0f} MiB of its image"
                     )
                 except (TorporError, OSError) as exc:  # only a head start: destaging says what is wrong
                     _log(f"{checkpoint_id}: storing while it is dumped failed: {exc}")
