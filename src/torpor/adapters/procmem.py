@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from torpor.adapters import system
+
 PAGE_SIZE = mmap.PAGESIZE
 _PFN_MASK = (1 << 55) - 1
 _FILE = 1 << 61
@@ -65,14 +67,10 @@ def stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is stopped (by a tracer such as CRIU, or by a signal)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-        for tid in tasks:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-            if state not in (b"t", b"T"):
-                return False
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return bool(tasks)
+    # a thread's /proc/TID holds its own state, as a process's does
+    return bool(tasks) and all(system.process_state(int(tid)) in ("t", "T") for tid in tasks)
 
 
 def zero_page_frame() -> int | None:

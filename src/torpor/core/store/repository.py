@@ -715,13 +715,9 @@ class Repository:
                 self._fresh_reads += 1
             for name in sorted(names - self._indexes):
                 try:
-                    entries = self._index_entries(name)
+                    self._note(name, self._index_entries(name))
                 except ObjectNotFound:
                     continue  # merged by gc just now: the merged one is read next time
-                where = self._where
-                for chunk, pack, offset, length in entries:
-                    where.setdefault(chunk, (pack_name(pack), offset, length))
-                self._indexes.add(name)
 
     def _index_entries(self, name: str) -> list[tuple[ChunkId, str, int, int]]:
         what = f"the index {name} of the store {self.backend.url}"
@@ -730,10 +726,16 @@ class Repository:
     def _learn(self, name: str, packs: Mapping[str, Iterable[PackEntry]]) -> None:
         """Note the index this process just stored (no need to read it back)."""
         with self._index_guard:
-            for pack, entries in packs.items():
-                for chunk, offset, length in entries:
-                    self._where.setdefault(chunk, (pack_name(pack), offset, length))
-            self._indexes.add(name)
+            self._note(
+                name, ((chunk, pack, at, n) for pack, entries in packs.items() for chunk, at, n in entries)
+            )
+
+    def _note(self, name: str, entries: Iterable[tuple[ChunkId, str, int, int]]) -> None:
+        """Note where index ``name`` says its chunks lie (a chunk's first known place stays); under the guard."""
+        where = self._where
+        for chunk, pack, offset, length in entries:
+            where.setdefault(chunk, (pack_name(pack), offset, length))
+        self._indexes.add(name)
 
     # -- deleting ---------------------------------------------------------------------------------------
 
