@@ -68,6 +68,8 @@ def test_bad_names_and_commands(torpor: Torpor) -> None:
     assert_one_line_error(torpor.run("run", "--name", "../x", "--", "true", check=False), 2, "bad job name")
     assert_one_line_error(torpor.run("run", "--", "no-such-program-xyz", check=False), 2, "command not found")
     assert_one_line_error(torpor.run("run", check=False), 2, "no command given")
+    assert_one_line_error(torpor.run("run", "--name", "", "--", "true", check=False), 2, "bad job name ''")
+    assert torpor.json("ps") == []
 
 
 @pytest.mark.criu

@@ -185,3 +185,49 @@ def test_resume_after_kill_rewinds_files_the_job_writes(torpor: Torpor, tmp_path
     cut = int(saved_files[0].name.rsplit("-", 1)[1])
     assert cut <= size_at_checkpoint_max
     assert grown[:cut] + saved_files[0].read_text() == grown
+
+
+def _numbered(text: str, first: int = 0) -> bool:
+    lines = text.splitlines()
+    return bool(lines) and lines == [f"line {i}" for i in range(first, first + len(lines))]
+
+
+@pytest.mark.parametrize("mode", ["w", "a", "r+"])
+def test_resume_after_kill_rewinds_a_file_opened_to_write_append_or_read_write(
+    torpor: Torpor, tmp_path: Path, mode: str
+) -> None:
+    """Lines written after the checkpoint are cut (and saved), whatever the mode: none appear twice.
+
+    CRIU records no size for a file opened with O_APPEND; torpor takes it from the descriptor's offset.
+    The job's own output log is never cut: it keeps what the killed incarnation printed.
+    """
+    data = tmp_path / "metrics.txt"
+    header = "header\n" if mode == "a" else ""
+    data.write_text(header)
+    torpor.run("run", "--name", "wa", *python_job("writer.py", str(data), mode))
+    torpor.wait_log("wa", "step 5")
+    torpor.run("checkpoint", "wa")
+    torpor.wait_log("wa", "step 30")
+    torpor.run("stop", "wa", "--timeout", "0")
+    result = torpor.run("resume", "wa")
+    assert "rewound 1 file" in result.stderr
+    torpor.wait_log("wa", "step 40")
+    text = data.read_text()
+    assert text.startswith(header) and _numbered(text[len(header) :]), "the file has gaps or repeats"
+    assert torpor.log("wa").count("step 30\n") == 2  # the log kept the killed run's lines
+    saved = [p for p in (torpor.home / "jobs" / "wa" / "rewound").rglob("*") if p.is_file()]
+    assert len(saved) == 1 and _numbered(saved[0].read_text(), int(saved[0].read_text().split()[1]))
+
+
+def test_a_file_first_opened_after_the_checkpoint_is_left_to_the_job(torpor: Torpor, tmp_path: Path) -> None:
+    """Not in the image, so torpor does not touch it; the resumed job opens it again ("w" starts it over)."""
+    data = tmp_path / "later.txt"
+    torpor.run("run", "--name", "wl", *python_job("writer.py", str(data), "w", "20"))
+    torpor.wait_log("wl", "step 3")
+    torpor.run("checkpoint", "wl")
+    torpor.wait_log("wl", "step 30")
+    torpor.run("stop", "wl", "--timeout", "0")
+    result = torpor.run("resume", "wl")
+    assert "rewound" not in result.stderr
+    torpor.wait_log("wl", "step 40")
+    assert _numbered(data.read_text(), 20)

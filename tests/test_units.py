@@ -14,6 +14,7 @@ import pytest
 from conftest import TORPOR
 from torpor.adapters import criu
 from torpor.apps import cli
+from torpor.core.engine import written_sizes
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
 from torpor.errors import (
     CheckpointFailed,
@@ -123,7 +124,7 @@ def test_dump_stats_are_read_from_stats_dump(tmp_path: Path) -> None:
 def test_open_files_and_socket_paths_are_read_from_files_img(tmp_path: Path) -> None:
     reg_written = field(1, 7) + field(2, 0o100001) + field(6, b"/data/metrics.csv") + field(8, 123)
     reg_library = field(1, 8) + field(2, 0) + field(6, b"/usr/lib/libc.so.6") + field(8, 999)
-    reg_log = field(1, 9) + field(2, 0o102001) + field(6, b"/var/log/job.log")
+    reg_log = field(1, 9) + field(2, 0o102001) + field(3, 4567) + field(6, b"/var/log/job.log")
     unix = field(1, 10) + field(11, b"/tmp/pymp-x/listener\x00")
     (tmp_path / "files.img").write_bytes(
         image(
@@ -137,7 +138,36 @@ def test_open_files_and_socket_paths_are_read_from_files_img(tmp_path: Path) -> 
     assert files["/data/metrics.csv"] == criu.OpenFile("/data/metrics.csv", True, 123)
     assert not files["/usr/lib/libc.so.6"].writable
     assert files["/var/log/job.log"].size is None
+    assert files["/var/log/job.log"].append and files["/var/log/job.log"].pos == 4567
+    assert not files["/data/metrics.csv"].append
     assert criu.unix_socket_paths(tmp_path) == ["/tmp/pymp-x/listener"]
+
+
+def test_the_size_at_the_checkpoint_of_appended_files_is_the_furthest_offset_that_wrote() -> None:
+    def opened(
+        path: str, size: int | None, append: bool = False, pos: int = 0, writable: bool = True
+    ) -> criu.OpenFile:
+        return criu.OpenFile(path, writable, size, append, pos)
+
+    sizes = written_sizes(
+        [
+            opened("/w.csv", 100),
+            opened("/log", None, append=True, pos=40),
+            opened("/log", None, append=True, pos=70),  # another process of the job appended later
+            opened("/log", None, append=True, pos=0),  # opened, never written: says nothing
+            opened("data/rel", 5),
+            opened("/never", None, append=True, pos=0),
+            opened("/lib.so", 900, writable=False),
+            opened("/both", None, append=True, pos=9),
+            opened("/both", 12),  # CRIU's own size wins: it is what it checks
+        ]
+    )
+    assert sizes == {
+        Path("/w.csv"): (100, True),
+        Path("/log"): (70, False),
+        Path("/data/rel"): (5, True),
+        Path("/both"): (12, True),
+    }
 
 
 def test_log_excerpt_keeps_errors_once_and_drops_noise(tmp_path: Path) -> None:

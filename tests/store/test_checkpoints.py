@@ -21,7 +21,7 @@ from conftest import TORPOR, Torpor, python_job
 from torpor.core.store.backend import FolderBackend
 from torpor.core.store.repository import Repository
 
-from .conftest import flip_chunk_bit
+from .conftest import drop_chunk, flip_chunk_bit
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -274,3 +274,31 @@ def test_retention_keeps_the_last_n_and_pinned_ones_and_gc_frees_the_rest(torpor
     lines = torpor.log("k").count("\n")
     torpor.run("restore", "k", "--from", first)
     torpor.wait_for(lambda: torpor.log("k").count("\n") > lines + 2, what="the pinned checkpoint to run")
+
+
+@pytest.mark.parametrize("damage", ["small file", "missing chunk", "empty id"])
+def test_restore_force_refuses_a_damaged_or_empty_checkpoint_before_it_stops_the_job(
+    torpor: Torpor, hot: Path, damage: str
+) -> None:
+    """--force stops the job: what can be checked (manifest, chunks present, small files) is, first."""
+    torpor.run("run", "--name", "f", *python_job("counter.py"))
+    torpor.wait_log("f", "step 3")
+    bad = torpor.json("checkpoint", "f", "--wait")["id"]
+    drop_hot_copies(hot)
+    repo = Repository(FolderBackend(torpor.home / "images"))
+    files = repo.manifest(bad).files
+    if damage == "small file":
+        small = next(f for f in files if not f.name.startswith("pages-") and f.extents and f.extents[0][2])
+        flip_chunk_bit(repo, str(small.extents[0][2]))
+    elif damage == "missing chunk":
+        pages = next(f for f in files if f.name.startswith("pages-"))
+        drop_chunk(repo, str(max(pages.extents, key=lambda e: e[1])[2]))
+    pid = torpor.job("f")["pid"]
+    result = torpor.run("restore", "f", "--from", "" if damage == "empty id" else bad, "--force", check=False)
+    assert result.returncode == (2 if damage == "empty id" else 6), result.stderr
+    assert ("empty checkpoint id" if damage == "empty id" else "is damaged") in result.stderr
+    assert "Traceback" not in result.stderr
+    job = torpor.job("f")
+    assert job["state"] == "running" and job["pid"] == pid
+    lines = torpor.log("f").count("\n")
+    torpor.wait_for(lambda: torpor.log("f").count("\n") > lines + 2, what="the job to go on")

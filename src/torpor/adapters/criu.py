@@ -61,6 +61,8 @@ class OpenFile:
     path: str
     writable: bool
     size: int | None  # CRIU checks this size on restore; None when it does not (e.g. O_APPEND logs)
+    append: bool = False  # opened with O_APPEND
+    pos: int = 0  # the descriptor's file offset at the dump (for O_APPEND: the end at its last write)
 
 
 @dataclass(frozen=True)
@@ -493,6 +495,7 @@ def _records(raw: bytes, header: int = 8) -> list[bytes]:
 _FD_TYPE_REG = 1
 _FD_TYPE_UNIXSK = 5
 _O_ACCMODE = 3
+_O_APPEND = 0o2000
 
 
 def _file_entries(images_dir: Path) -> list[dict[int, int | bytes]]:
@@ -517,14 +520,17 @@ def unix_socket_paths(images_dir: Path) -> list[str]:
 
 
 def open_files(images_dir: Path) -> list[OpenFile]:
-    """Regular files in ``files.img`` (FileEntry{type, id, reg=RegFileEntry{flags=2, name=6, size=8}})."""
+    """Regular files in ``files.img``.
+
+    FileEntry{type=1, reg=3: RegFileEntry{flags=2, pos=3, name=6, size=8}}.
+    """
     found = []
     for entry in _file_entries(images_dir):
         reg = entry.get(3)
         if entry.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
             continue
         fields = _fields(reg)
-        name, flags, size = fields.get(6), fields.get(2, 0), fields.get(8)
+        name, flags, size, pos = fields.get(6), fields.get(2, 0), fields.get(8), fields.get(3, 0)
         if not isinstance(name, bytes) or not isinstance(flags, int):
             continue
         found.append(
@@ -532,6 +538,8 @@ def open_files(images_dir: Path) -> list[OpenFile]:
                 path=name.decode(errors="surrogateescape"),
                 writable=(flags & _O_ACCMODE) != 0,
                 size=size if isinstance(size, int) else None,
+                append=bool(flags & _O_APPEND),
+                pos=pos if isinstance(pos, int) else 0,
             )
         )
     return found

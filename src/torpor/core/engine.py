@@ -36,14 +36,14 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu, RestoreGate, open_files, unix_socket_paths
+from torpor.adapters.criu import Criu, OpenFile, RestoreGate, open_files, unix_socket_paths
 from torpor.adapters.imagestreamer import ImageStreamer
 from torpor.adapters.pageserver import PageServer
 from torpor.core import control
@@ -361,37 +361,64 @@ def restore_into_launcher(
     return pid
 
 
-def rewind_written_files(image_dir: Path, keep_dir: Path) -> list[str]:
-    """Bring files the job had open for writing back to their size at the checkpoint.
+def written_sizes(files: list[OpenFile]) -> dict[Path, tuple[int, bool]]:
+    """Each regular file the job had open for writing: (its size at the checkpoint, CRIU checks it).
 
-    CRIU refuses to restore when such a file's size changed ("bad size"), which is the normal case after
-    rolling back, or resuming a job that kept running after its checkpoint. A file that grew is cut
-    back to its checkpoint size — the job rewrites what follows — and the bytes cut off are saved under
-    ``keep_dir``, so nothing is lost. A file that shrank cannot be made consistent: that is an error.
+    CRIU records the size of a file open for writing, and refuses to restore when it changed ("bad
+    size") — except for files opened with O_APPEND (logs, CSV files), whose size it does not record.
+    For those, the offset of a descriptor that appended is where the file ended after its last write,
+    which is its size at the checkpoint when the job is its only writer; a descriptor that never wrote
+    (offset 0) says nothing.
     """
-    rewound = []
-    for entry in open_files(image_dir):
-        if not entry.writable or entry.size is None:
+    checked: dict[Path, int] = {}
+    appended: dict[Path, int] = {}
+    for entry in files:
+        if not entry.writable:
             continue
         path = Path(entry.path if entry.path.startswith("/") else "/" + entry.path)
+        if entry.size is not None:
+            checked[path] = entry.size
+        elif entry.append and entry.pos > 0:
+            appended[path] = max(appended.get(path, 0), entry.pos)
+    sizes = {path: (size, False) for path, size in appended.items()}
+    sizes.update((path, (size, True)) for path, size in checked.items())
+    return sizes
+
+
+def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path] = ()) -> list[str]:
+    """Bring files the job had open for writing back to their size at the checkpoint.
+
+    That is the normal case after rolling back, or resuming a job that kept running after its
+    checkpoint: the job continues from the checkpoint and writes again what followed it. A file that
+    grew is cut back to its checkpoint size (see :func:`written_sizes`), and the bytes cut off are saved
+    under ``keep_dir``, so nothing is lost. A file CRIU checks that shrank cannot be made consistent:
+    that is an error. Files in ``keep`` (the job's own output log, a record of all that happened) are
+    left as they are.
+    """
+    rewound = []
+    for path, (size, checked) in written_sizes(open_files(image_dir)).items():
+        if path in keep:
+            continue
         try:
             current = path.stat()
         except FileNotFoundError:
             continue  # CRIU explains a missing file itself
-        if not stat.S_ISREG(current.st_mode) or current.st_size == entry.size:
+        if not stat.S_ISREG(current.st_mode) or current.st_size == size:
             continue
-        if current.st_size < entry.size:
+        if current.st_size < size:
+            if not checked:
+                continue  # the job appends at the end wherever it is (e.g. after a log rotation)
             raise RestoreFailed(
-                f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {entry.size} "
+                f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {size} "
                 "bytes): it was truncated or replaced, so the job cannot be restored consistently"
             )
         keep_dir.mkdir(parents=True, exist_ok=True)
-        saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{entry.size}")
+        saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{size}")
         with open(path, "r+b") as handle:
-            handle.seek(entry.size)
+            handle.seek(size)
             with open(saved, "ab") as out:
                 shutil.copyfileobj(handle, out)
-            handle.truncate(entry.size)
+            handle.truncate(size)
         rewound.append(str(path))
     return rewound
 
@@ -436,7 +463,8 @@ class Engine:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         if shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None) is None:
             raise UsageError(f"command not found: {command[0]}")
-        name = name or self._free_name(_name_from_command(command))
+        if name is None:
+            name = self._free_name(_name_from_command(command))
         _check_name(name)
         job_dir = self.settings.job_dir(name)
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -641,7 +669,11 @@ class Engine:
     ) -> tuple[Job, Checkpoint, float]:
         """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds)."""
         job = self.reconcile(self.records.job(name))
-        checkpoint = self.records.find_checkpoint(name, ref) if ref else self.records.latest_checkpoint(name)
+        checkpoint = (
+            self.records.find_checkpoint(name, ref)
+            if ref is not None
+            else self.records.latest_checkpoint(name)
+        )
         if checkpoint is None:
             raise CheckpointNotFound(
                 f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')"
@@ -651,6 +683,13 @@ class Engine:
                 raise WrongState(
                     f"job '{name}' is {job.state}; stop it first or pass --force to stop it and restore"
                 )
+            # stopping is what cannot be undone: first make sure there is something to restore
+            progress(f"checking checkpoint {checkpoint.id} before stopping the running job")
+            try:
+                self.ctx.store.precheck(checkpoint.id)
+            except TorporError as exc:
+                exc.details.append(f"job '{name}' was not stopped; it is still {job.state}")
+                raise
             progress(f"stopping the running job '{name}'")
             self.stop(name)
             job = self.records.job(name)
@@ -687,7 +726,9 @@ class Engine:
                     pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
                 if pages is None:
                     check = self.ctx.store.fetch(checkpoint.id, image_dir)
-            rewound = rewind_written_files(image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id)
+            rewound = rewind_written_files(
+                image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id, keep={Path(job.log_path)}
+            )
             if rewound:
                 progress(
                     f"rewound {len(rewound)} file(s) the job writes to their size at the checkpoint "

@@ -264,6 +264,10 @@ class Records:
 
     def find_checkpoint(self, job: str, ref: str) -> Checkpoint:
         """A checkpoint of ``job`` by its id or a unique prefix of it."""
+        if not ref.strip():
+            raise CheckpointNotFound(
+                f"an empty checkpoint id names no checkpoint: give one from 'torpor checkpoints {job}'"
+            )
         matches = [c for c in self.checkpoints(job) if c.id == ref or c.id.startswith(ref)]
         exact = [c for c in matches if c.id == ref]
         if exact:

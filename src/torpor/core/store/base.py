@@ -118,6 +118,13 @@ class ImageStore(Protocol):
         pages and lets the job run only once it passed.
         """
 
+    def precheck(self, checkpoint_id: str) -> None:
+        """Verify what can be verified cheaply before a restore that must stop the job first.
+
+        The image exists, every chunk it names is present, and every file but the memory pages reads
+        back intact. Raises as :meth:`get` would; the memory pages are still verified by the restore.
+        """
+
     def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
         """For a streamed restore: write all but the memory pages into ``dest``, verified; stream those.
 

@@ -194,11 +194,7 @@ class TieredStore:
             try:
                 check = self._fetch_cold(checkpoint_id, dest)
             except CheckpointNotFound as exc:
-                raise CheckpointNotFound(
-                    f"checkpoint {checkpoint_id} has no image: it is not in the hot tier {self.hot.root} nor "
-                    f"in the store {self.repo.backend.url} (a checkpoint that was not yet durable is lost "
-                    "when the machine restarts)"
-                ) from exc
+                raise self._no_image(checkpoint_id) from exc
             except CorruptImage as exc:
                 raise self._with_hint(exc, checkpoint_id) from exc
 
@@ -211,6 +207,30 @@ class TieredStore:
                 raise self._with_hint(exc, checkpoint_id) from exc
 
         return hinted
+
+    def precheck(self, checkpoint_id: str) -> None:
+        scratch = self.restore_dir(checkpoint_id)
+        try:
+            if self._fetch_hot(checkpoint_id, scratch) is not None:
+                return  # linked, and all but the pages verified
+            try:
+                self.repo.read(checkpoint_id, scratch, skip=is_bulk)
+            except CheckpointNotFound as exc:
+                raise self._no_image(checkpoint_id) from exc
+            except CorruptImage as exc:
+                raise self._with_hint(exc, checkpoint_id) from exc
+            if not self.repo.intact(checkpoint_id):
+                raise self._with_hint(
+                    CorruptImage(
+                        f"checkpoint {checkpoint_id} is damaged: chunks of its memory are missing from "
+                        f"the store {self.repo.backend.url}"
+                    ),
+                    checkpoint_id,
+                )
+        except OSError as exc:
+            raise StoreError(f"cannot check checkpoint {checkpoint_id}: {exc.strerror or exc}") from exc
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
         if self.hot.record(checkpoint_id) is not None:
@@ -298,6 +318,13 @@ class TieredStore:
         later = [entry for entry in manifest.files if is_bulk(entry.name)]
         codec, workers = self.repo.codec, self.settings.store_workers
         return lambda: verify_extents(codec, dest, later, checkpoint_id, workers, zeros=False)
+
+    def _no_image(self, checkpoint_id: str) -> CheckpointNotFound:
+        return CheckpointNotFound(
+            f"checkpoint {checkpoint_id} has no image: it is not in the hot tier {self.hot.root} nor "
+            f"in the store {self.repo.backend.url} (a checkpoint that was not yet durable is lost "
+            "when the machine restarts)"
+        )
 
     def _with_hint(self, exc: CorruptImage, checkpoint_id: str) -> CorruptImage:
         good = self._newest_good(checkpoint_id)
