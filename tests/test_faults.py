@@ -217,3 +217,57 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     job = torpor.wait_state("dies", "failed")
     assert job["exit_code"] == 128 + 9
     assert torpor.json("checkpoints") == []
+
+
+@pytest.mark.criu
+def test_a_job_whose_launcher_was_killed_is_reported_and_can_be_stopped_resumed_and_removed(
+    torpor: Torpor,
+) -> None:
+    """Its processes run on unsupervised (PID 1 of their namespace ignores a plain kill): torpor says so,
+    and stop, resume --force and rm --force end them."""
+
+    def orphan() -> int:
+        job = torpor.job("o")
+        os.kill(job["launcher_pid"], signal.SIGKILL)
+        torpor.wait_for(lambda: not system.is_alive(job["launcher_pid"]), what="the launcher to die")
+        return int(job["pid"])
+
+    torpor.run("run", "--name", "o", *python_job("counter.py"))
+    torpor.wait_log("o", "step 2")
+    torpor.run("checkpoint", "o")
+    pid = orphan()
+    assert torpor.job("o")["state"] == "failed"
+    assert "its launcher died; its processes still run unsupervised" in torpor.run("ps").stdout
+    assert_one_line_error(torpor.run("resume", "o", check=False), 2, "running unsupervised")
+    assert_one_line_error(torpor.run("checkpoint", "o", check=False), 2, "runs unsupervised")
+    assert system.is_alive(pid)
+
+    torpor.run("resume", "o", "--force")
+    assert not system.is_alive(pid)
+    job = torpor.job("o")
+    assert job["state"] == "running" and job["restored_from"]
+    assert_running_not_frozen(torpor, "o")
+
+    pid = orphan()
+    stopped = torpor.run("stop", "o", "--timeout", "0")
+    assert "stopped its unsupervised processes" in stopped.stdout
+    assert not system.is_alive(pid) and torpor.job("o")["pid"] is None
+
+    torpor.run("resume", "o")
+    pid = orphan()
+    members = system.namespace_members(pid)
+    assert_one_line_error(torpor.run("rm", "o", check=False), 2, "running unsupervised")
+    torpor.run("rm", "o", "--force")
+    assert not any(system.is_alive(member) for member in members)
+    assert not list((torpor.home / "run").glob("o.sock"))
+
+
+@pytest.mark.criu
+def test_rm_force_leaves_no_launcher_socket(torpor: Torpor) -> None:
+    """The launcher removed its socket only if its record still existed once it got there (a race)."""
+    for n in range(5):
+        torpor.run("run", "--name", f"s{n}", *python_job("counter.py"))
+        torpor.wait_log(f"s{n}", "step 1")
+        assert (torpor.home / "run" / f"s{n}.sock").exists()
+        torpor.run("rm", f"s{n}", "--force")
+    assert not list((torpor.home / "run").glob("*.sock"))

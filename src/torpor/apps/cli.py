@@ -117,6 +117,13 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
             ]
         )
     print(table(["NAME", "STATE", "PID", "RSS", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
+    # why a job failed is worth a line of its own (an exit code says it for exited jobs)
+    reasons = [
+        f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == "failed" and s.job.message
+    ]
+    if reasons:
+        print()
+        print("\n".join(reasons))
     return 0
 
 

@@ -559,14 +559,22 @@ class Engine:
     # -- inspect ---------------------------------------------------------------------------------------
 
     def reconcile(self, job: Job) -> Job:
-        """Mark a job whose launcher vanished (killed, machine rebooted) as failed."""
+        """Mark a job whose launcher vanished (killed, machine rebooted) as failed, and say why.
+
+        Its processes may still run, unsupervised (the launcher was killed, not the job): the record
+        keeps their pid, so that ``stop``, ``resume --force`` and ``rm --force`` can end them.
+        """
         if (
             job.state in LIVE_STATES | {JobState.RESTORING}
             and job.launcher_pid
             and not system.is_alive(job.launcher_pid)
         ):
-            if job.pid and system.is_alive(job.pid):
-                message = "its launcher died; the job runs unsupervised (stop it with kill)"
+            if _tree_alive(job):
+                message = (
+                    f"its launcher died; its processes still run unsupervised (pid {job.pid}): "
+                    f"'torpor stop {job.name}' ends them, 'torpor resume --force {job.name}' restores "
+                    "its latest checkpoint"
+                )
             else:
                 message = "its launcher died"
             self.records.set_fields(job.name, message=message, ended_at=time.time())
@@ -577,7 +585,7 @@ class Engine:
     def status(self, name: str) -> JobStatus:
         job = self.reconcile(self.records.job(name))
         rss = None
-        if job.state in LIVE_STATES and job.pid:
+        if job.pid and (job.state in LIVE_STATES or unsupervised(job)):
             rss = system.rss_bytes(system.namespace_members(job.pid))
         return JobStatus(job, rss, self.records.latest_checkpoint(name))
 
@@ -644,9 +652,11 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         if job.state != JobState.RUNNING:
             verb = "hibernate" if hibernate else "checkpoint"
-            hint = (
-                f"; resume it first with 'torpor resume {name}'" if job.state == JobState.HIBERNATED else ""
-            )
+            hint = ""
+            if job.state == JobState.HIBERNATED:
+                hint = f"; resume it first with 'torpor resume {name}'"
+            elif unsupervised(job):
+                hint = " and runs unsupervised (its launcher died): see 'torpor ps'"
             raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
         self.ctx.criu.require()
         reply = control.call(
@@ -678,10 +688,10 @@ class Engine:
             raise CheckpointNotFound(
                 f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')"
             )
-        if job.state in LIVE_STATES or job.state == JobState.RESTORING:
-            if not force or job.state not in LIVE_STATES:
+        if job.state in LIVE_STATES or job.state == JobState.RESTORING or unsupervised(job):
+            if not force or job.state == JobState.RESTORING:
                 raise WrongState(
-                    f"job '{name}' is {job.state}; stop it first or pass --force to stop it and restore"
+                    f"job '{name}' is {_describe(job)}; stop it first or pass --force to stop it and restore"
                 )
             # stopping is what cannot be undone: first make sure there is something to restore
             progress(f"checking checkpoint {checkpoint.id} before stopping the running job")
@@ -827,9 +837,13 @@ class Engine:
     # -- stop and remove --------------------------------------------------------------------------------
 
     def stop(self, name: str, grace_s: float | None = None) -> Job:
-        """SIGTERM the job (PID 1 of its namespace ignores it unless it handles it), then SIGKILL."""
+        """SIGTERM the job (PID 1 of its namespace ignores it unless it handles it), then SIGKILL.
+
+        A job whose launcher died is stopped the same way: killing PID 1 of its namespace ends all of it.
+        """
         job = self.reconcile(self.records.job(name))
-        if job.state not in LIVE_STATES or not job.pid:
+        orphaned = unsupervised(job)
+        if not job.pid or (job.state not in LIVE_STATES and not orphaned):
             raise WrongState(f"job '{name}' is {job.state}, not running")
         grace = self.settings.stop_grace_s if grace_s is None else grace_s
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
@@ -841,6 +855,14 @@ class Engine:
                 break
             if system.wait_gone(job.pid, job.pid_ticks, wait):
                 break
+        if orphaned:  # no launcher to record it
+            self.records.set_fields(
+                name,
+                pid=None,
+                ended_at=time.time(),
+                message="its launcher had died; torpor stopped its unsupervised processes",
+            )
+            return self.records.job(name)
         # the launcher records the exit; wait for it so the next command sees a settled state
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -852,20 +874,43 @@ class Engine:
 
     def remove(self, name: str, force: bool = False) -> list[str]:
         job = self.reconcile(self.records.job(name))
-        if job.state in LIVE_STATES or job.state == JobState.RESTORING:
+        if job.state in LIVE_STATES or job.state == JobState.RESTORING or unsupervised(job):
             if not force or job.state == JobState.RESTORING:
-                raise WrongState(f"job '{name}' is {job.state}; stop it first or pass --force")
+                raise WrongState(f"job '{name}' is {_describe(job)}; stop it first or pass --force")
+            launcher = job.launcher_pid
             self.stop(name, grace_s=0)
+            if launcher and launcher != os.getpid():  # let it finish with the record before it goes
+                system.wait_gone(launcher, None, 10)
         removed: list[str] = []
         for checkpoint in self.records.checkpoints(name):
             self.ctx.store.delete(checkpoint.id)
             removed.append(checkpoint.id)
         self.records.delete_job(name)
+        self.settings.socket_path(name).unlink(missing_ok=True)
         shutil.rmtree(self.settings.job_dir(name), ignore_errors=True)
         return removed
 
     def log_path(self, name: str) -> Path:
         return Path(self.records.job(name).log_path)
+
+
+def _tree_alive(job: Job) -> bool:
+    """Whether the process on record as the job's root is still that process, and alive."""
+    return (
+        job.pid is not None
+        and job.pid_ticks is not None
+        and system.is_alive(job.pid)
+        and system.start_ticks(job.pid) == job.pid_ticks
+    )
+
+
+def unsupervised(job: Job) -> bool:
+    """Whether the job's processes still run though its launcher died (the record keeps their pid)."""
+    return job.state not in LIVE_STATES and _tree_alive(job)
+
+
+def _describe(job: Job) -> str:
+    return "running unsupervised (its launcher died)" if unsupervised(job) else str(job.state)
 
 
 _INTERPRETERS = (

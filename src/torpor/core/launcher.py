@@ -30,7 +30,7 @@ from typing import Any
 from torpor.adapters import system
 from torpor.core import engine
 from torpor.core.records import JobState
-from torpor.errors import JobExited, TorporError
+from torpor.errors import JobExited, JobNotFound, TorporError
 from torpor.settings import Settings
 
 
@@ -179,7 +179,10 @@ class Launcher:
         return 0
 
     def _socket_is_ours(self, path: Path) -> bool:
-        job = self.ctx.records.job(self.job.name)
+        try:
+            job = self.ctx.records.job(self.job.name)
+        except JobNotFound:
+            return True  # removed (``rm``): nobody else serves it
         return job.launcher_pid in (None, os.getpid())
 
     def _wait_for_job(self) -> None:
