@@ -201,6 +201,27 @@ def test_gc_removes_packs_no_index_names(backend: Backend, tmp_path: Path) -> No
     repo.read("c", tmp_path / "out")
 
 
+def test_gc_removes_the_temp_files_of_a_killed_writer_at_once_but_keeps_young_ones_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """gc holds the store exclusively, so no writer of packs, indexes or manifests runs: their temp files
+    are leftovers whatever their age. Lock objects are written even during gc: a young one stays."""
+    backend = FolderBackend(tmp_path / "objects")
+    repo = Repository(backend)
+    repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
+    root = tmp_path / "objects"
+    pack_tmp = root / "packs" / "ab" / ".abab.1234abcd.tmp"  # a destager killed while writing a pack
+    pack_tmp.parent.mkdir(parents=True, exist_ok=True)
+    pack_tmp.write_bytes(b"half a pack")
+    lock_tmp = root / "locks" / ".s-1234.tmp"
+    lock_tmp.parent.mkdir(parents=True, exist_ok=True)
+    lock_tmp.write_bytes(b"a lock being stored now")
+    repo.gc()
+    assert not pack_tmp.exists()
+    assert lock_tmp.exists()
+    repo.read("c", tmp_path / "out")
+
+
 def test_a_store_of_format_1_is_read_and_collected(backend: Backend, tmp_path: Path) -> None:
     import json
 

@@ -108,3 +108,22 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("4096") == 4096
     with pytest.raises(UsageError):
         parse_bytes("lots")
+
+
+def test_a_partial_folder_that_vanishes_while_leftovers_are_listed_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torpor.core.store import hot as hot_module
+
+    tier = hot_module.HotTier(tmp_path / "hot")
+    tier.ensure()
+    (tmp_path / "hot" / "abc.partial").mkdir()  # no .owner: its age decides
+    (tmp_path / "hot" / ".x.deleting").mkdir()
+    real = hot_module.owner_alive
+
+    def renamed_meanwhile(partial: Path) -> bool:
+        partial.rmdir()  # the dump committed (renamed) between the listing and this look
+        return real(partial)
+
+    monkeypatch.setattr(hot_module, "owner_alive", renamed_meanwhile)
+    assert [p.name for p in tier.leftovers()] == [".x.deleting"]

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -217,20 +217,23 @@ class FolderBackend:
             finally:
                 os.close(fd)
 
-    def remove_leftovers(self, min_age_s: float = 3600.0) -> int:
+    def remove_leftovers(self, min_age_s: float = 3600.0, idle: Collection[str] = ()) -> int:
         """Delete temp files a crash left behind mid-``store`` (for gc); returns how many.
 
-        Only old ones: a young temp file may be a ``store`` in progress (lock objects are written
-        even while gc holds the store).
+        Under the top folders named in ``idle`` (nobody writes there now: gc holds the store), all of
+        them; elsewhere only old ones, since a young temp file may be a ``store`` in progress (lock
+        objects are written even while gc holds the store).
         """
         removed = 0
         cutoff = time.time() - min_age_s
         for dirpath, _dirnames, filenames in os.walk(self.root):
+            top = Path(dirpath).relative_to(self.root).parts[:1]
+            any_age = bool(top) and top[0] in idle
             for filename in filenames:
                 if filename.startswith(".") and filename.endswith(".tmp"):
                     path = Path(dirpath) / filename
                     with contextlib.suppress(FileNotFoundError):
-                        if path.stat().st_mtime < cutoff:
+                        if any_age or path.stat().st_mtime < cutoff:
                             path.unlink()
                             removed += 1
         return removed

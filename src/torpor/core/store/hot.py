@@ -394,7 +394,11 @@ class HotTier:
             return
         now = time.time()
         for entry in self.root.iterdir():
-            if self._is_leftover(entry, now):
+            try:
+                leftover = self._is_leftover(entry, now)
+            except FileNotFoundError:
+                continue  # gone meanwhile (renamed, deleted): nothing left over
+            if leftover:
                 yield entry
 
     def _is_leftover(self, entry: Path, now: float) -> bool:

@@ -820,8 +820,8 @@ class Repository:
                     self.backend.delete(name)
                     deleted += 1
             remove_leftovers = getattr(self.backend, "remove_leftovers", None)
-            if remove_leftovers is not None:
-                remove_leftovers()
+            if remove_leftovers is not None:  # writers of these hold the lock shared: none runs now
+                remove_leftovers(idle=("packs", "index", "manifests", "chunks"))
             self.backend.sync()
             with self._index_guard:
                 self._where, self._indexes = {}, set()
