@@ -219,7 +219,8 @@ def test_lazy_resume(torpor: Torpor, hot: Path) -> None:
     torpor.run("hibernate", "l", "--wait")
     at_hibernate = last_step(torpor.log("l"))
     drop_hot_copies(hot)  # from the cold tier, verified, then its memory served on demand
-    torpor.run("resume", "l", "--lazy")
+    resumed = torpor.run("resume", "l", "--lazy")
+    assert "all of its memory is in" in resumed.stderr
     torpor.wait_for(
         lambda: last_step(torpor.log("l")) > at_hibernate + 3, what="progress after a lazy resume"
     )
@@ -234,10 +235,14 @@ def test_a_corrupt_chunk_met_by_a_lazy_resume_kills_the_job_with_the_reason(
     # the byte is in the random bytearray: lazy memory, read only through the page server
     hibernate_then_flip_a_memory_byte(torpor, hot, "z")
     digests = torpor.log("z").count("digest")
-    torpor.run("resume", "z", "--lazy", check=False)
-    torpor.wait_for(lambda: torpor.job("z")["state"] not in ("running", "restoring"), what="the kill")
+    result = torpor.run("resume", "z", "--lazy", check=False)
+    assert result.returncode == 5, result.stderr
+    assert "the lazily restored job 'z' was killed" in result.stderr
+    assert "does not match its content hash" in result.stderr and "Traceback" not in result.stderr
+    assert torpor.job("z")["state"] == "failed"  # it said so once the job was gone
     assert "lazy restore failed, the job was killed" in torpor.job("z")["message"]
     assert "does not match its content hash" in torpor.job("z")["message"]
+    assert "z: lazy restore failed, the job was killed" in torpor.run("ps").stdout
     assert torpor.log("z").count("digest") == digests  # it never printed a digest of wrong memory
 
 

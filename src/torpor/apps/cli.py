@@ -204,10 +204,15 @@ def _restore(engine: Engine, args: argparse.Namespace, ref: str | None) -> int:
     job, checkpoint, seconds = engine.restore(
         args.name, ref, force=args.force, progress=_progress(args), lazy=args.lazy
     )
+    if not args.json:
+        print(f"restored {job.name} from {checkpoint.id} in {seconds:.2f} s (pid {job.pid})", flush=True)
+    if args.lazy:
+        started = time.monotonic()
+        engine.wait_lazy(job.name, progress=_progress(args))
+        if not args.quiet:
+            print(f"  … all of its memory is in ({time.monotonic() - started:.2f} s later)", file=sys.stderr)
     if args.json:
         _emit_json({"job": job.name, "pid": job.pid, "checkpoint": checkpoint.id, "restore_s": seconds})
-    else:
-        print(f"restored {job.name} from {checkpoint.id} in {seconds:.2f} s (pid {job.pid})")
     return 0
 
 
@@ -431,9 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_hibernate)
 
+    lazy_help = (
+        "start the job before all of its memory is read; the command returns once all of it is in "
+        "(exit 5 if a damaged chunk killed the job meanwhile)"
+    )
     p = add("resume", "restore a job from its latest checkpoint")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
-    p.add_argument("--lazy", action="store_true", help="start the job before all of its memory is read")
+    p.add_argument("--lazy", action="store_true", help=lazy_help)
     p.set_defaults(func=cmd_resume)
 
     p = add("restore", "restore a job from a given checkpoint (roll back)")
@@ -441,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--from", dest="from_", required=True, metavar="CHECKPOINT_ID", help="checkpoint id or prefix"
     )
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
-    p.add_argument("--lazy", action="store_true", help="start the job before all of its memory is read")
+    p.add_argument("--lazy", action="store_true", help=lazy_help)
     p.set_defaults(func=cmd_restore)
 
     p = add("checkpoints", "list checkpoints: time, size and freeze time of each", job=False)

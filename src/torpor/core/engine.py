@@ -780,6 +780,19 @@ class Engine:
                 pages.close()
         return self.records.job(name), checkpoint, time.monotonic() - started
 
+    def wait_lazy(self, name: str, progress: Progress = _quiet) -> None:
+        """After a lazy restore, return once all of the job's memory is in; raise if that killed it.
+
+        A damaged chunk is met only when the job touches its pages, after ``restore`` returned: torpor
+        kills the job then (it must not run on memory it cannot get) and this says why.
+        """
+        reply = control.call(self.settings.socket_path(name), {"op": "wait_lazy"}, on_progress=progress)
+        if reply.get("killed"):
+            raise RestoreFailed(
+                f"the lazily restored job '{name}' was killed: {reply['killed']}",
+                details=["its checkpoints are kept; 'torpor ps' shows it failed"],
+            )
+
     def _release_streamed(
         self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, pages: PageStream
     ) -> None:

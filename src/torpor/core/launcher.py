@@ -63,6 +63,7 @@ class Launcher:
         self.lock = threading.Lock()  # one operation at a time, and the waiter waits for it
         self.pid: int | None = None
         self.server: socketserver.ThreadingUnixStreamServer | None = None
+        self.finished = threading.Event()  # the job's end is on record
 
     # -- starting -----------------------------------------------------------------------------------
 
@@ -198,6 +199,7 @@ class Launcher:
                     if self.pid != waited and self.pid is not None and system.is_alive(self.pid):
                         continue  # a failed hibernation restored the job under a new pid: keep watching
                     self._finish(status)
+                    self.finished.set()
                     break
         finally:  # even if the record could not be written (its state folder gone): do not linger
             assert self.server is not None
@@ -236,6 +238,15 @@ class Launcher:
                     self.ctx, self.job.name, self.pid, hibernate, self, send
                 )
             return {"ok": True, "checkpoint": result}
+        if op == "wait_lazy":
+            # after a lazy restore: until every page is in, the job can still meet a damaged chunk
+            daemon = self.ctx.lazy_pages
+            if daemon is not None and daemon.poll() is None:
+                send({"progress": "the job runs; bringing in the rest of its memory, each chunk verified"})
+                daemon.wait()
+            if self.ctx.killed_because:  # say it once the record says it too
+                self.finished.wait(10)
+            return {"ok": True, "killed": self.ctx.killed_because}
         return {"ok": False, "error": "UsageError", "message": f"unknown request {op!r}", "details": []}
 
     def adopt(self, pid: int) -> None:
