@@ -231,3 +231,23 @@ def test_a_file_first_opened_after_the_checkpoint_is_left_to_the_job(torpor: Tor
     assert "rewound" not in result.stderr
     torpor.wait_log("wl", "step 40")
     assert _numbered(data.read_text(), 20)
+
+
+def test_a_written_file_replaced_by_a_symlink_is_not_rewound_through_it(
+    torpor: Torpor, tmp_path: Path
+) -> None:
+    """Someone who could write the job's folder must not make root cut another file on resume."""
+    data = tmp_path / "metrics.txt"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n" * 1000)
+    torpor.run("run", "--name", "ws", *python_job("writer.py", str(data)))
+    torpor.wait_log("ws", "step 5")
+    torpor.run("checkpoint", "ws")
+    torpor.wait_log("ws", "step 10")
+    torpor.run("stop", "ws", "--timeout", "0")
+    data.unlink()
+    data.symlink_to(victim)
+    result = torpor.run("resume", "ws", check=False)
+    assert result.returncode == 5 and "symbolic link" in result.stderr, result.stderr
+    assert victim.read_text() == "precious\n" * 1000
+    assert torpor.job("ws")["state"] == "failed"

@@ -400,9 +400,16 @@ def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path]
         if path in keep:
             continue
         try:
-            current = path.stat()
+            current = path.lstat()
         except FileNotFoundError:
             continue  # CRIU explains a missing file itself
+        if stat.S_ISLNK(current.st_mode) or os.path.realpath(path) != str(path):
+            # CRIU recorded where the file really was: a link there now was put there since, maybe by
+            # someone who wants root to cut another file
+            raise RestoreFailed(
+                f"{path} is now reached through a symbolic link ({os.path.realpath(path)}); torpor does "
+                "not rewind a file through a link: put the job's file back at that path"
+            )
         if not stat.S_ISREG(current.st_mode) or current.st_size == size:
             continue
         if current.st_size < size:
@@ -414,7 +421,7 @@ def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path]
             )
         keep_dir.mkdir(parents=True, exist_ok=True)
         saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{size}")
-        with open(path, "r+b") as handle:
+        with open(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY), "r+b") as handle:
             handle.seek(size)
             with open(saved, "ab") as out:
                 shutil.copyfileobj(handle, out)
