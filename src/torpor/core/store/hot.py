@@ -24,8 +24,9 @@ can rename what it holds (not writable by others, or sticky like ``/dev/shm``). 
 makes it so (``mkdir`` 0700, then torpor's tmpfs with ``mode=0700``) and checks it through an
 ``O_DIRECTORY|O_NOFOLLOW`` descriptor, before and after mounting; anything else is refused with
 :class:`~torpor.errors.UnsafePath`, never ``chmod``-ed or ``chown``-ed, since someone else may have made
-it. Readers check it too, once per folder: its device and inode are remembered, and one ``lstat`` per
-call tells a folder that was replaced since (e.g. removed, then made again by someone else).
+it. Readers check it too: fully once per folder (its device and inode are remembered), and with one
+``lstat`` per call, which tells a folder replaced since (removed, then made again by someone else, even
+on the same inode number: its owner or mode differ).
 
 Files inside are not checked one by one: once the folder is verified nobody else can add an entry to it.
 Every file torpor writes there is still opened with ``O_NOFOLLOW`` (:func:`torpor.adapters.system.
@@ -213,7 +214,8 @@ class HotTier:
             return False
         except OSError as exc:
             raise StoreError(f"cannot look at the hot tier {self.root}: {exc.strerror}") from exc
-        if self._verified != (st.st_dev, st.st_ino):
+        # a new inode, or the same one reused by a folder made since (its owner or mode then tells)
+        if self._verified != (st.st_dev, st.st_ino) or _folder_problem(st) is not None:
             fd, checked = self._open_root()
             os.close(fd)
             self._verified = (checked.st_dev, checked.st_ino)
