@@ -8,7 +8,8 @@
     │   ├── CheckpointNotFound
     │   └── WrongState               e.g. checkpoint a hibernated job, resume a running one
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
-    │   └── CriuUnavailable
+    │   ├── CriuUnavailable
+    │   └── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
@@ -65,6 +66,10 @@ class CriuUnavailable(EnvironmentProblem):
     pass
 
 
+class UnsafePath(EnvironmentProblem):
+    """A place torpor would keep images or state in could be read or changed by someone else."""
+
+
 class CheckpointFailed(TorporError):
     exit_code = 4
 
@@ -115,6 +120,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         WrongState,
         EnvironmentProblem,
         CriuUnavailable,
+        UnsafePath,
         CheckpointFailed,
         JobExited,
         RestoreFailed,

@@ -32,8 +32,9 @@ class Settings:
     stop_grace_s: float = 5.0
     #: extra options for every CRIU run (kept for experiments; empty by default)
     criu_extra: tuple[str, ...] = field(default_factory=tuple)
-    #: the hot tier CRIU dumps into: a folder in RAM (tmpfs, e.g. bound to a CXL node with ``mpol=bind:N``);
-    #: ``None``: ``/dev/shm/torpor-<hash of home>``
+    #: where the hot tier CRIU dumps into lives: a folder in RAM (tmpfs, e.g. bound to a CXL node with
+    #: ``mpol=bind:N``), in which torpor makes its own private folder ``torpor-<hash of home>``;
+    #: ``None``: that folder is ``/dev/shm/torpor-<hash of home>``, a tmpfs of torpor's own
     hot_dir: Path | None = None
     #: most bytes of images the hot tier keeps; ``None``: half of its file system
     hot_capacity_bytes: int | None = None
@@ -51,6 +52,9 @@ class Settings:
     #: restore from the cold tier by streaming the memory pages into ``criu restore --stream`` (no copy
     #: into RAM first); off: the whole image is written into a restore folder, then CRIU reads it
     stream_restore: bool = True
+    #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
+    #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
+    job_umask: int | None = None
 
     @property
     def db_path(self) -> Path:
@@ -73,11 +77,15 @@ class Settings:
         return self.home / "tmp"
 
     @property
+    def staging_dir(self) -> Path:
+        """Where a dump that does not fit in the hot tier is written, on disk, until it is stored."""
+        return self.home / "staging"
+
+    @property
     def hot_path(self) -> Path:
-        if self.hot_dir is not None:
-            return self.hot_dir
+        """The hot tier's folder, named after the home so that two homes never share one."""
         tag = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
-        return Path("/dev/shm") / f"torpor-{tag}"
+        return (self.hot_dir or Path("/dev/shm")) / f"torpor-{tag}"
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able form, to hand the same settings to a launcher or destager process."""

@@ -58,7 +58,7 @@ def test_mounts_once_and_never_over_a_folder_in_use(tmp_path: Path) -> None:
     finally:
         system.unmount(root)
     used = tmp_path / "used"
-    used.mkdir()
+    used.mkdir(mode=0o700)  # as torpor makes it
     (used / "image").write_text("x")
     HotTier(used, own_mount=True).ensure()
     assert mount_options(used) is None and (used / "image").exists()

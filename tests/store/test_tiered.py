@@ -224,7 +224,8 @@ def test_a_dump_goes_to_disk_when_the_hot_file_system_is_short_of_room(
         dataclasses.replace(settings, hot_dir=small_tmpfs / "hot", hot_capacity_bytes=1 << 30)
     )
     assert store.staging_dir("big", size_hint=16 * MiB).parent == store.cold_staging
-    assert store.staging_dir("small", size_hint=MiB).parent == small_tmpfs / "hot"
+    assert store.staging_dir("small", size_hint=MiB).parent == store.hot.root
+    assert store.hot.root.parent == small_tmpfs / "hot"
 
 
 def test_a_hot_image_is_hashed_once_then_verified_on_every_read(settings: Settings) -> None:

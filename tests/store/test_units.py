@@ -94,7 +94,8 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("TORPOR_STREAM_RESTORE", "off")
     settings = Settings.from_environment(home=str(tmp_path))
     assert not settings.stream_restore
-    assert settings.hot_path == tmp_path / "hot"
+    assert settings.hot_path.parent == tmp_path / "hot"  # torpor's own folder in the one named
+    assert settings.hot_path.name.startswith("torpor-")
     assert settings.hot_capacity_bytes == int(1.5 * (1 << 30))
     assert settings.store_url == "s3://bucket/prefix" and settings.keep_last == 3
     assert Settings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings

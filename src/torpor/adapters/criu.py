@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from torpor.adapters import system
 from torpor.errors import (
     CheckpointFailed,
     CriuUnavailable,
@@ -124,8 +125,8 @@ class RestoreGate:
         """Write :data:`GATE_SCRIPT` to ``script`` (an executable file), unless it is there already."""
         if not script.is_file() or script.read_text() != GATE_SCRIPT:
             tmp = script.with_name(f".{script.name}.{os.getpid()}.tmp")
-            tmp.write_text(GATE_SCRIPT)
-            tmp.chmod(0o755)
+            system.write_private(tmp, GATE_SCRIPT.encode())
+            tmp.chmod(0o700)  # CRIU runs it as torpor's user
             os.replace(tmp, script)
         return script
 
@@ -134,7 +135,7 @@ class RestoreGate:
 
     def _say(self, text: str) -> None:
         tmp = self.verdict.with_name(f".{self.verdict.name}.tmp")
-        tmp.write_text(text + "\n")
+        system.write_private(tmp, (text + "\n").encode())
         os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
 
     def open(self) -> None:

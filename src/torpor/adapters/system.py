@@ -1,11 +1,14 @@
 """The running system as torpor sees it: processes in /proc, PID namespaces, kernel features.
 
 Also the raw system calls Python 3.11 lacks: ``unshare(CLONE_NEWPID)`` and ``prctl(PR_SET_CHILD_SUBREAPER)``
-for the launcher, ``sync_file_range`` and ``syncfs`` for the store's folder backend.
+for the launcher, ``sync_file_range`` and ``syncfs`` for the store's folder backend; and the one way torpor
+creates its own files and folders (:func:`open_private`, :func:`write_private`, :func:`make_private_dirs`):
+private to their owner, and never through a symbolic link someone planted where torpor writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -17,6 +20,11 @@ CLONE_NEWPID = 0x20000000
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
 SYNC_FILE_RANGE_WRITE = 2
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
+#: the umask of torpor's own processes (CLI, launcher, destager) and so of CRIU, their child: what they
+#: create (images, logs, the database) is their owner's alone; a job runs with its caller's umask instead
+PRIVATE_UMASK = 0o077
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -39,9 +47,51 @@ def mount_tmpfs(path: Path, options: str) -> None:
 
 
 def unmount(path: Path) -> None:
-    """Lazily unmount ``path`` if something is mounted there (nothing happens otherwise)."""
-    if os.path.ismount(path):
-        _check(_libc.umount2(os.fsencode(path), 2), f"umount {path}")  # MNT_DETACH
+    """Lazily unmount ``path`` if something is mounted there (nothing happens otherwise).
+
+    A symbolic link at ``path`` is not followed: it could lead to a mount that is not torpor's.
+    """
+    if not os.path.islink(path) and os.path.ismount(path):
+        _check(_libc.umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW), f"umount {path}")
+
+
+# -- torpor's own files --------------------------------------------------------------------------------
+
+
+def open_private(path: Path, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` the way torpor opens every file it writes: never through a symbolic link.
+
+    A link planted where torpor writes fails the open with ELOOP instead of redirecting the write to a
+    file of someone else's choosing; a file it creates gets ``mode`` (its owner's alone).
+    """
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` as the whole of file ``path`` (created 0600, or truncated; no link followed)."""
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create folder ``path`` and any missing parents, each 0700 (``mkdir -p`` gives the parents the
+    umask's mode); an existing folder is left as it is."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        make_private_dirs(path.parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
 
 
 def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -486,8 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # everything torpor and CRIU create is private (images hold a job's memory); jobs keep the caller's
+    caller_umask = os.umask(system.PRIVATE_UMASK)
     try:
-        settings = Settings.from_environment(home=args.home, criu=args.criu)
+        settings = replace(Settings.from_environment(home=args.home, criu=args.criu), job_umask=caller_umask)
         if args.command_name == "doctor":
             return cmd_doctor(settings, args)
         engine = Engine(settings)
@@ -504,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        os.umask(caller_umask)  # for a caller that runs main() in its own process (tests)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -304,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         return EnvironmentProblem.exit_code
     own_home = not os.environ.get("TORPOR_HOME")
     home = Path(tempfile.mkdtemp(prefix="torpor-demo-")) if own_home else None
-    settings = Settings.from_environment(home=str(home) if home else None)
+    caller_umask = os.umask(system.PRIVATE_UMASK)  # as the CLI: torpor's files private, the job's not
+    settings = dataclasses.replace(
+        Settings.from_environment(home=str(home) if home else None), job_umask=caller_umask
+    )
     demo: Demo | None = None
     try:
         engine = Engine(settings)

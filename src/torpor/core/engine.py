@@ -65,6 +65,7 @@ from torpor.errors import (
     RestoreFailed,
     StoreError,
     TorporError,
+    UnsafePath,
     UsageError,
     WrongState,
     from_dict,
@@ -90,13 +91,7 @@ class Context:
     def __init__(self, settings: Settings, gpu_stage: gpu.GpuStage | None = None) -> None:
         self.settings = settings
         self.gpu: gpu.GpuStage = gpu_stage or gpu.NoGpuStage()
-        for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise EnvironmentProblem(
-                    f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"
-                ) from exc
+        make_state_private(settings)
         if not os.access(settings.home, os.W_OK):
             raise EnvironmentProblem(
                 f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME"
@@ -118,8 +113,53 @@ class Context:
 
     def criu_log(self, job: str, action: str, checkpoint_id: str) -> Path:
         folder = self.settings.job_dir(job) / "criu"
-        folder.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(folder)
         return folder / f"{action}-{checkpoint_id}.log"
+
+
+def make_state_private(settings: Settings) -> None:
+    """Create the state directory's folders 0700, and tighten what an older torpor left open to all.
+
+    Jobs' command lines, output and memory live here, so nobody but torpor's user may read any of it.
+    A folder or file of torpor's (``jobs``, ``run``, ``tmp``, ``images``, ``staging``, the database) owned
+    by this user loses its group and other bits; one owned by another user is refused: someone else made
+    it, maybe to read what torpor puts there. What lies deeper keeps its mode, unreachable by others
+    through these folders (opening every old image and log would cost each command a walk of the home).
+    The home itself is tightened only when it holds torpor's database: a home the user made for more
+    than torpor (or /tmp) is theirs to set.
+    """
+    for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
+        try:
+            system.make_private_dirs(folder)
+        except OSError as exc:
+            raise EnvironmentProblem(
+                f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"
+            ) from exc
+    db = settings.db_path
+    ours = [settings.jobs_dir, settings.run_dir, settings.tmp_dir, settings.images_dir, settings.staging_dir]
+    ours += [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+    if db.exists():
+        ours.append(settings.home)
+    uid = os.geteuid()
+    for path in ours:
+        try:
+            found = path.stat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise EnvironmentProblem(
+                f"cannot look at {path} ({exc.strerror}); fix it or set TORPOR_HOME"
+            ) from exc
+        if found.st_uid != uid:
+            raise UnsafePath(
+                f"{path} is owned by uid {found.st_uid}, not by torpor's user (uid {uid}): another user may "
+                "have made it to read torpor's state; remove it or set TORPOR_HOME"
+            )
+        if found.st_mode & 0o077:
+            try:
+                path.chmod(stat.S_IMODE(found.st_mode) & 0o700)
+            except OSError as exc:
+                raise EnvironmentProblem(f"cannot make {path} private ({exc.strerror})") from exc
 
 
 # -- inside the launcher ---------------------------------------------------------------------------
@@ -419,11 +459,11 @@ def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path]
                 f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {size} "
                 "bytes): it was truncated or replaced, so the job cannot be restored consistently"
             )
-        keep_dir.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(keep_dir)
         saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{size}")
-        with open(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY), "r+b") as handle:
+        with open(system.open_private(path, os.O_RDWR | os.O_NOCTTY), "r+b") as handle:
             handle.seek(size)
-            with open(saved, "ab") as out:
+            with os.fdopen(system.open_private(saved, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as out:
                 shutil.copyfileobj(handle, out)
             handle.truncate(size)
         rewound.append(str(path))
@@ -474,7 +514,7 @@ class Engine:
             name = self._free_name(_name_from_command(command))
         _check_name(name)
         job_dir = self.settings.job_dir(name)
-        job_dir.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(job_dir)
         job = self.records.create_job(JobName(name), command, cwd, str(job_dir / "output.log"))
         try:
             self._spawn_launcher({"mode": "start", "job": name})
@@ -516,7 +556,9 @@ class Engine:
             else:
                 global _spawned
                 _spawned = [child for child in _spawned if child.poll() is None]  # reaps exited ones
-                with open(log, "ab") as log_file:
+                with os.fdopen(
+                    system.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab"
+                ) as log_file:
                     child = subprocess.Popen(
                         [
                             sys.executable,

@@ -56,9 +56,11 @@ class LaunchSpec:
 
 
 class Launcher:
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, umask: int = system.PRIVATE_UMASK) -> None:
+        """``umask``: the job's when the settings name none (the launcher's as it started)."""
         self.spec = spec
         self.ctx = engine.Context(spec.settings())
+        self.job_umask = umask if self.ctx.settings.job_umask is None else self.ctx.settings.job_umask
         self.job = self.ctx.records.job(spec.job)
         self.lock = threading.Lock()  # one operation at a time, and the waiter waits for it
         self.pid: int | None = None
@@ -69,7 +71,7 @@ class Launcher:
 
     def start_job(self) -> int:
         """Fork the job as PID 1 of a new PID namespace; returns its pid (our child, via subreaping)."""
-        log_fd = os.open(self.job.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        log_fd = system.open_private(Path(self.job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         pid_r, pid_w = os.pipe()
         exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
         middle = os.fork()
@@ -113,6 +115,7 @@ class Launcher:
             os.closerange(exec_w + 1, 65536)
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
                 signal.signal(sig, signal.SIG_DFL)
+            os.umask(self.job_umask)  # torpor's own is private; the job creates files as its caller would
             os.execvp(self.job.command[0], self.job.command)
         except OSError as exc:
             os.write(exec_w, (exc.strerror or str(exc)).encode())
@@ -149,7 +152,7 @@ class Launcher:
             return 1
         self.pid = pid
         sock_path = self.ctx.settings.socket_path(self.job.name)
-        sock_path.parent.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(sock_path.parent)
         sock_path.unlink(missing_ok=True)
         self.server = _Server(str(sock_path), _Handler)
         self.server.launcher = self
@@ -310,7 +313,7 @@ def forked(fields: dict[str, Any], log: Path, ready_fd: int, go_fd: int, life_fd
         with contextlib.suppress(OSError, ValueError):
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
-    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    out = system.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(fields: dict[str, Any], ready_fd: int, go_fd: int) -> int:
+    # what the launcher and CRIU (its child) write is private; the job gets its caller's umask back
+    inherited = os.umask(system.PRIVATE_UMASK)
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # the CLI starts us early (a restore fetches its image meanwhile), then sends the rest of the spec
@@ -346,7 +351,7 @@ def _serve(fields: dict[str, Any], ready_fd: int, go_fd: int) -> int:
         return 0
     spec = LaunchSpec(**{**fields, **json.loads(line)})
     print(f"launcher {os.getpid()} for job {spec.job} ({spec.mode}) at {time.ctime()}", flush=True)
-    return Launcher(spec).serve(ready_fd)
+    return Launcher(spec, inherited).serve(ready_fd)
 
 
 if __name__ == "__main__":

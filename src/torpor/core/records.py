@@ -8,6 +8,7 @@ clause checks the state it expects — two ``resume`` calls racing cannot both w
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import NewType
 
+from torpor.adapters import system
 from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
 
 JobName = NewType("JobName", str)
@@ -112,7 +114,9 @@ class Records:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            system.make_private_dirs(path.parent)
+            # made 0600 before SQLite opens it: its -wal and -shm files take the database's mode
+            os.close(system.open_private(path, os.O_RDWR | os.O_CREAT))
             db = self._connect()
             try:
                 db.executescript(_SCHEMA)

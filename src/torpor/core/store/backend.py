@@ -121,7 +121,7 @@ class FolderBackend:
 
     def create(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            system.make_private_dirs(self.root)  # its folders 0700, its objects 0600: private
         except OSError as exc:
             raise _error(exc, f"cannot create the store folder {self.root}") from exc
 
@@ -259,7 +259,7 @@ class _FileWriter:
             try:
                 self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileNotFoundError:
-                self._path.parent.mkdir(parents=True, exist_ok=True)
+                system.make_private_dirs(self._path.parent)
                 root = backend.root
                 with backend._lock:  # the new folders' entries must reach the disk too
                     backend._dirty.update(p for p in self._path.parents if p == root or root in p.parents)

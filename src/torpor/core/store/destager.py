@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from torpor.adapters import system
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
-from torpor.core.store.hot import HotRecord, dumped_pids, owner_alive
+from torpor.core.store.hot import HotRecord, dumped_pids, owner_alive, tier_error
 from torpor.core.store.repository import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
@@ -97,9 +98,13 @@ def _dump_over(partial: Path, deadline: float) -> bool:
 
 def run(store: TieredStore) -> int:
     try:
-        fd = os.open(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        if not store.hot.exists():  # checked to be torpor's own before anything is written there
+            return 0
+        fd = system.open_private(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     except FileNotFoundError:
         return 0  # the hot tier was removed (and with it anything to destage)
+    except OSError as exc:
+        raise tier_error(exc, store.hot.root) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
@@ -163,6 +168,7 @@ def run(store: TieredStore) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    os.umask(system.PRIVATE_UMASK)  # as its starter's already: what it writes is private
     settings = Settings.from_dict(json.loads(args[0]))
     try:
         return run(TieredStore(settings))

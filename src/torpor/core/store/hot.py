@@ -15,15 +15,34 @@ once a newer checkpoint of the job is durable, and :meth:`HotTier.make_room` old
 is over capacity). A hot image is verified when read back like any other: once durable,
 against its manifest's chunk hashes (the destager's one pass over the image both stores and hashes it);
 before that, against file hashes taken by the first restore — so that ``put`` costs only a rename.
+
+Whose folder it is. The default place, ``/dev/shm/torpor-<hash of home>``, is predictable, in a folder
+everyone may write, and holds a job's memory: another user who made it first could read images, swap
+them, or plant links where torpor writes. So the hot tier is torpor's only when it is a real folder (not a
+link), owned by torpor's user and private to it (no group or other bits), in a folder where nobody else
+can rename what it holds (not writable by others, or sticky like ``/dev/shm``). :meth:`HotTier.ensure`
+makes it so (``mkdir`` 0700, then torpor's tmpfs with ``mode=0700``) and checks it through an
+``O_DIRECTORY|O_NOFOLLOW`` descriptor, before and after mounting; anything else is refused with
+:class:`~torpor.errors.UnsafePath`, never ``chmod``-ed or ``chown``-ed, since someone else may have made
+it. Readers check it too: fully once per folder (its device and inode are remembered), and with one
+``lstat`` per call, which tells a folder replaced since (removed, then made again by someone else, even
+on the same inode number: its owner or mode differ).
+
+Files inside are not checked one by one: once the folder is verified nobody else can add an entry to it.
+Every file torpor writes there is still opened with ``O_NOFOLLOW`` (:func:`torpor.adapters.system.
+open_private`), so a link left there by anything (root itself, an older torpor's folder) redirects no
+write, and CRIU's images are private because torpor's processes run with umask 0o077.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -35,7 +54,14 @@ import blake3
 
 from torpor.adapters import system
 from torpor.core.store.manifest import safe_file_name
-from torpor.errors import CheckpointNotFound, CorruptImage, StorageFull, StoreError
+from torpor.errors import (
+    CheckpointNotFound,
+    CorruptImage,
+    StorageFull,
+    StoreError,
+    TorporError,
+    UnsafePath,
+)
 
 RECORD = ".torpor.json"
 OWNER = ".owner"
@@ -75,15 +101,15 @@ def hash_file(path: Path) -> str:
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.tmp")
-    tmp.write_text(json.dumps(data))
+    system.write_private(tmp, json.dumps(data).encode())
     os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
 
 
 def write_owner(partial: Path, pids: Sequence[int] = ()) -> None:
     """Mark a new ``.partial`` folder as this process's dump, of ``pids`` (for :func:`dumped_pids`)."""
     if pids:
-        (partial / PIDS).write_text("".join(f"{pid}\n" for pid in pids))
-    (partial / OWNER).write_text(str(os.getpid()))
+        system.write_private(partial / PIDS, "".join(f"{pid}\n" for pid in pids).encode())
+    system.write_private(partial / OWNER, str(os.getpid()).encode())
 
 
 def dumped_pids(partial: Path) -> list[int]:
@@ -109,12 +135,40 @@ def owner_alive(partial: Path) -> bool:
 OWN_MOUNT_OPTIONS = "huge=within_size,mode=0700"
 
 
+def _folder_problem(st: os.stat_result) -> str | None:
+    """What makes a folder (``lstat``-ed) not one torpor may keep images in; ``None``: nothing."""
+    uid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by torpor's user (uid {uid})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users (torpor makes it 0700)"
+    return None
+
+
+def _parent_problem(st: os.stat_result) -> str | None:
+    """What lets others rename or replace what the folder holds; ``None``: nothing (e.g. /dev/shm)."""
+    if st.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {st.st_uid}, who can rename what it holds"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"has mode {stat.S_IMODE(st.st_mode):04o}: other users can rename what it holds "
+            "(a shared folder needs the sticky bit, as /dev/shm has)"
+        )
+    return None
+
+
 class HotTier:
     def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
         self.root = root
         self._capacity = capacity
         #: mount a tmpfs of our own (huge pages) on ``root``: only for the default place in /dev/shm
         self.own_mount = own_mount
+        #: (device, inode) of the root folder once it was checked to be torpor's own
+        self._verified: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -132,38 +186,108 @@ class HotTier:
         return self.root / checkpoint_id
 
     def ensure(self) -> None:
+        """Make the hot tier (0700, torpor's tmpfs on the default place) or check the one there is ours.
+
+        Raises :class:`~torpor.errors.UnsafePath` for a folder torpor did not make as it makes them.
+        """
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            system.make_private_dirs(self.root.parent)  # a TORPOR_HOT_DIR may be missing still
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.root, 0o700)
         except OSError as exc:
             raise StoreError(f"cannot create the hot tier {self.root}: {exc.strerror}") from exc
-        if self.own_mount and not os.path.ismount(self.root):
-            self._mount()
-
-    def remove_all(self) -> None:
-        """Delete the whole hot tier, images included, and unmount torpor's tmpfs if it has one."""
-        shutil.rmtree(self.root, ignore_errors=True)  # empties a mount point, cannot remove it
-        with contextlib.suppress(OSError):
-            system.unmount(self.root)
-        shutil.rmtree(self.root, ignore_errors=True)
-        (self.root.parent / f".{self.root.name}.mount-lock").unlink(missing_ok=True)
-
-    def _mount(self) -> None:
-        """Mount our tmpfs on the (empty) hot folder, once, even with several processes racing here."""
-        lock = self.root.parent / f".{self.root.name}.mount-lock"
+        fd, _ = self._open_root()
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.path.ismount(self.root) or any(self.root.iterdir()):
-                return  # mounted by another process meanwhile, or an older plain hot tier in use
-            parent = os.statvfs(self.root.parent)
-            size = parent.f_blocks * parent.f_frsize  # the same limit as the file system it replaces
-            with contextlib.suppress(OSError):  # not root, or no tmpfs: a plain folder works, slower
-                system.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")
+            if self.own_mount and not os.path.ismount(self.root):
+                self._mount(fd)
         finally:
             os.close(fd)
+        fd, checked = self._open_root()  # what is there now: torpor's tmpfs, or the folder it was made on
+        os.close(fd)
+        self._verified = (checked.st_dev, checked.st_ino)
+
+    def exists(self) -> bool:
+        """Whether the hot tier is there; raises :class:`~torpor.errors.UnsafePath` if it is not ours."""
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot look at the hot tier {self.root}: {exc.strerror}") from exc
+        # a new inode, or the same one reused by a folder made since (its owner or mode then tells)
+        if self._verified != (st.st_dev, st.st_ino) or _folder_problem(st) is not None:
+            fd, checked = self._open_root()
+            os.close(fd)
+            self._verified = (checked.st_dev, checked.st_ino)
+        return True
+
+    def _open_root(self) -> tuple[int, os.stat_result]:
+        """A descriptor of the root folder, checked (with its parent) to be torpor's own, and its stat."""
+        try:
+            parent = os.stat(self.root.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot look at {self.root.parent}: {exc.strerror}") from exc
+        problem = _parent_problem(parent)
+        if problem is not None:
+            raise UnsafePath(
+                f"the hot tier's folder {self.root.parent} {problem}; set TORPOR_HOT_DIR to a folder "
+                "only torpor's user can change"
+            )
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise StoreError(f"cannot open the hot tier {self.root}: {exc.strerror}") from exc
+            try:
+                st = os.lstat(self.root)
+            except OSError:
+                raise StoreError(f"cannot open the hot tier {self.root}: {exc.strerror}") from exc
+            raise self._unsafe(_folder_problem(st) or "is not a folder") from exc
+        st = os.fstat(fd)
+        problem = _folder_problem(st)
+        if problem is not None:
+            os.close(fd)
+            raise self._unsafe(problem)
+        return fd, st
+
+    def _unsafe(self, problem: str) -> UnsafePath:
+        return UnsafePath(
+            f"the hot tier {self.root} {problem}: another user may have made it to read or change "
+            "checkpoints; torpor leaves it alone: remove it, or set TORPOR_HOT_DIR to a folder of your own"
+        )
+
+    def remove_all(self) -> None:
+        """Delete the whole hot tier, images included, and unmount torpor's tmpfs if it has one.
+
+        A link, or a folder of another user's, at the hot tier's place is not torpor's: it is left alone.
+        """
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid():
+            shutil.rmtree(self.root, ignore_errors=True)  # empties a mount point, cannot remove it
+            with contextlib.suppress(OSError):
+                system.unmount(self.root)
+            shutil.rmtree(self.root, ignore_errors=True)
+        self._verified = None
+        # the lock file an older torpor made beside the hot tier (unlink follows no link)
+        with contextlib.suppress(OSError):
+            (self.root.parent / f".{self.root.name}.mount-lock").unlink(missing_ok=True)
+
+    def _mount(self, fd: int) -> None:
+        """Mount our tmpfs on the (empty) hot folder ``fd``, once, even with several processes racing.
+
+        The lock is the checked folder itself (flock on its descriptor): a lock file beside it, in
+        world-writable /dev/shm, would be one more name another user could make first.
+        """
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.path.ismount(self.root) or os.listdir(fd):
+            return  # mounted by another process meanwhile, or an older plain hot tier in use
+        parent = os.statvfs(self.root.parent)
+        size = parent.f_blocks * parent.f_frsize  # the same limit as the file system it replaces
+        with contextlib.suppress(OSError):  # not root, or no tmpfs: a plain folder works, slower
+            system.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")
 
     # -- staging ------------------------------------------------------------------------------------
 
@@ -176,7 +300,7 @@ class HotTier:
         partial = self.root / f"{self._dir(checkpoint_id).name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         try:
-            partial.mkdir()
+            partial.mkdir(mode=0o700)
             write_owner(partial, pids)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
@@ -185,7 +309,7 @@ class HotTier:
 
     def dumps_in_progress(self) -> list[Path]:
         """The folders a process that is alive (its ``.owner`` says so) is dumping into now."""
-        if not self.root.is_dir():
+        if not self.exists():
             return []
         found = []
         for entry in self.root.iterdir():
@@ -228,8 +352,11 @@ class HotTier:
         )
 
     def record(self, checkpoint_id: str) -> HotRecord | None:
+        folder = self._dir(checkpoint_id)
+        if not self.exists():
+            return None
         try:
-            data = json.loads((self._dir(checkpoint_id) / RECORD).read_text())
+            data = json.loads((folder / RECORD).read_text())
         except (OSError, ValueError):
             return None
         if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
@@ -244,7 +371,7 @@ class HotTier:
             return None
 
     def records(self) -> list[HotRecord]:
-        if not self.root.is_dir():
+        if not self.exists():
             return []
         found = []
         for entry in self.root.iterdir():
@@ -258,11 +385,16 @@ class HotTier:
     @contextlib.contextmanager
     def _locked(self, checkpoint_id: str) -> Iterator[None]:
         """Serialises read-modify-write of one record (the destager and a restore may both update it)."""
+        folder = self._dir(checkpoint_id)
         try:
-            fd = os.open(self._dir(checkpoint_id) / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
+            if not self.exists():
+                raise FileNotFoundError(errno.ENOENT, "no hot tier", str(self.root))
+            fd = system.open_private(folder / ".lock", os.O_RDWR | os.O_CREAT)
+        except FileNotFoundError:
             yield  # the image is gone: nothing to protect
             return
+        except OSError as exc:
+            raise tier_error(exc, self.root) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -304,7 +436,7 @@ class HotTier:
 
     def remove(self, checkpoint_id: str) -> None:
         folder = self._dir(checkpoint_id)
-        if folder.exists():
+        if self.exists() and folder.exists():
             doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
             with contextlib.suppress(FileNotFoundError):
                 os.rename(folder, doomed)  # first, so a half-deleted image is never listed
@@ -314,7 +446,7 @@ class HotTier:
 
     def used(self) -> int:
         total = 0
-        if not self.root.is_dir():
+        if not self.exists():
             return 0
         for dirpath, _dirs, filenames in os.walk(self.root):
             for name in filenames:
@@ -361,7 +493,9 @@ class HotTier:
         """
         checkpoint_id = record.id
         source = self._dir(checkpoint_id)
-        dest.mkdir(parents=True, exist_ok=True)
+        if not self.exists():
+            return False
+        system.make_private_dirs(dest)
         try:
             for name, (size, _digest) in record.files.items():
                 if not safe_file_name(name) or name.startswith("."):
@@ -390,7 +524,7 @@ class HotTier:
 
     def leftovers(self) -> Iterator[Path]:
         """Dumps whose process died, deletions and restores that a crash interrupted."""
-        if not self.root.is_dir():
+        if not self.exists():
             return
         now = time.time()
         for entry in self.root.iterdir():
@@ -417,7 +551,17 @@ class HotTier:
         )
 
 
+def tier_error(exc: OSError, root: Path) -> TorporError:
+    """The torpor error for a failure to write in the hot tier ``root``."""
+    if exc.errno == errno.ENOSPC:
+        return StorageFull(f"the hot tier {root} is full: lower TORPOR_HOT_CAPACITY or free memory")
+    if exc.errno == errno.ELOOP:
+        return UnsafePath(
+            f"hot tier {root}: {exc.filename} is a symbolic link where torpor writes a file of its own; "
+            "torpor does not write through it: remove it (and see who put it there)"
+        )
+    return StoreError(f"hot tier {root}: {exc.strerror or exc}")
+
+
 def _raise(exc: OSError, root: Path) -> Any:
-    if exc.errno == 28:
-        raise StorageFull(f"the hot tier {root} is full: lower TORPOR_HOT_CAPACITY or free memory") from exc
-    raise StoreError(f"hot tier {root}: {exc.strerror or exc}") from exc
+    raise tier_error(exc, root) from exc

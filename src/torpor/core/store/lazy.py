@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from torpor.adapters import system
 from torpor.core.store import pagemap
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
@@ -173,7 +174,7 @@ class LazyImage:
     def prepare(self, dest: Path) -> None:
         """Write the restore folder ``dest``: everything CRIU reads itself, verified; lazy pages as holes."""
         checkpoint = self.manifest.id
-        dest.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(dest)
         try:
             # everything but the pages first: the pagemaps say which parts of the pages files are lazy
             self._write_files(dest, [e for e in self.manifest.files if not is_bulk(e.name)])

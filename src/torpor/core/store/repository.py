@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torpor.adapters import procmem
+from torpor.adapters import procmem, system
 from torpor.adapters.pipefeed import PipeFeed
 from torpor.core.store import pagemap
 from torpor.core.store.backend import Backend
@@ -492,7 +492,7 @@ class Repository:
         written at all (see :meth:`file_data`).
         """
         manifest = self.manifest(checkpoint_id)
-        dest.mkdir(parents=True, exist_ok=True)
+        system.make_private_dirs(dest)
         total = manifest.size
         done = [0]
         guard = threading.Lock()

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from torpor.adapters import system
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import (
     DESTAGING,
@@ -39,7 +40,7 @@ from torpor.core.store.base import (
     StoredImage,
     is_bulk,
 )
-from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, write_owner
+from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, tier_error, write_owner
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
@@ -61,7 +62,7 @@ class TieredStore:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes, own_mount=settings.hot_dir is None)
-        self.cold_staging = settings.home / "staging"
+        self.cold_staging = settings.staging_dir
         self._repo: Repository | None = None
         self._kicked = 0.0
 
@@ -86,9 +87,9 @@ class TieredStore:
             return hot
         partial = self.cold_staging / f"{checkpoint_id}.partial"
         try:
-            self.cold_staging.mkdir(parents=True, exist_ok=True)
+            system.make_private_dirs(self.cold_staging)
             shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
+            partial.mkdir(mode=0o700)
             write_owner(partial, pids)
         except OSError as exc:
             raise StoreError(
@@ -132,7 +133,9 @@ class TieredStore:
 
     def destager_running(self) -> bool:
         try:
-            fd = os.open(self.lock_path, os.O_RDONLY)
+            if not self.hot.exists():
+                return False
+            fd = system.open_private(self.lock_path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
@@ -148,7 +151,11 @@ class TieredStore:
         global _children
         _children = [child for child in _children if child.poll() is None]
         self.hot.ensure()
-        with open(self.hot.root / LOG_FILE, "ab") as log:
+        try:
+            log = system.open_private(self.hot.root / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:
+            raise tier_error(exc, self.hot.root) from exc
+        try:
             _children.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "torpor.core.store.destager", json.dumps(self.settings.to_dict())],
@@ -159,6 +166,8 @@ class TieredStore:
                     close_fds=True,
                 )
             )
+        finally:
+            os.close(log)
 
     # -- reading --------------------------------------------------------------------------------------
 
