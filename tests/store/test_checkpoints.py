@@ -20,6 +20,7 @@ import pytest
 from conftest import TORPOR, Torpor, python_job
 from torpor.core.store.backend import FolderBackend
 from torpor.core.store.repository import Repository
+from torpor.settings import Settings
 
 from .conftest import drop_chunk, flip_chunk_bit
 
@@ -28,10 +29,11 @@ pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
 @pytest.fixture
 def hot(torpor: Torpor) -> Iterator[Path]:
-    path = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
-    torpor.env["TORPOR_HOT_DIR"] = str(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    """The job's hot tier: torpor's own folder inside the TORPOR_HOT_DIR the test gives it."""
+    parent = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    torpor.env["TORPOR_HOT_DIR"] = str(parent)
+    yield Settings(home=torpor.home.absolute(), hot_dir=parent).hot_path
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 def last_step(log: str) -> int:
