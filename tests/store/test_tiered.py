@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store import DURABLE, STAGED, TieredStore
+from torpor.core.store import DURABLE, STAGED, TieredStore, config
 from torpor.errors import CorruptImage, StorageFull, StoreError
 from torpor.settings import Settings
 
@@ -134,7 +134,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
     settings: Settings, small_tmpfs: Path
 ) -> None:
-    store = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs)))
+    settings.home.mkdir(parents=True)
+    config.save(settings.home, config.StoreConfig(url=str(small_tmpfs)))
+    store = TieredStore(settings)
     data = os.urandom(16 * MiB)
     store.put("c1", "job", _stage(store, "c1", data), {})
     with pytest.raises(StoreError, match="no space left") as caught:
@@ -147,7 +149,7 @@ def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
     store.get("c1", dest)  # still restorable from RAM
     assert (dest / "pages-1.img").read_bytes() == data
     # straight to the cold tier (no room in RAM): the error comes at once and the dump is left intact
-    tight = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs), hot_capacity_bytes=MiB))
+    tight = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=MiB))
     staging = _stage(tight, "c2", os.urandom(16 * MiB), size_hint=16 * MiB)
     with pytest.raises(StorageFull):
         tight.put("c2", "job", staging, {})
