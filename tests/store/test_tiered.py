@@ -243,3 +243,20 @@ def test_a_hot_image_is_hashed_once_then_verified_on_every_read(settings: Settin
     pages.write_bytes(bytes(blob))
     with pytest.raises(CorruptImage, match="hot tier"):  # ... and every later read checks them
         store.get("c1", store.restore_dir("c1"))
+
+
+def test_the_store_follows_its_configuration_file_and_keeps_ram_copies_restorable(
+    settings: Settings, tmp_path: Path
+) -> None:
+    settings.home.mkdir(parents=True)
+    store = TieredStore(settings)  # no configuration file yet: the default, HOME/images
+    data = os.urandom(2 * MiB)
+    store.put("c1", "job", _stage(store, "c1", data), {})
+    store.wait_durable("c1", timeout=60)
+    assert store.repo.backend.url == f"file://{settings.images_dir}"
+    # what `torpor store set --url … --force` writes: the same store object opens the new cold tier
+    config.save(settings.home, config.StoreConfig(url=str(tmp_path / "elsewhere")))
+    assert store.repo.backend.url == f"file://{tmp_path / 'elsewhere'}" and not store.repo.has("c1")
+    dest = store.restore_dir("c1")
+    store.get("c1", dest)  # its RAM copy, verified by its own hashes
+    assert (dest / "pages-1.img").read_bytes() == data

@@ -275,7 +275,8 @@ class TieredStore:
             return None
         manifest = None
         if record.state == DURABLE:
-            with contextlib.suppress(StoreError):
+            # not found: stored in a cold tier the configuration no longer names (torpor store set --force)
+            with contextlib.suppress(StoreError, CheckpointNotFound):
                 manifest = self.repo.manifest(checkpoint_id)
         hashed_now = False
         try:
