@@ -20,7 +20,7 @@ from conftest import Torpor, python_job
 from torpor.core.store import config
 from torpor.core.store.backend import FolderBackend
 from torpor.core.store.repository import Repository
-from torpor.errors import UsageError
+from torpor.errors import EnvironmentProblem, UsageError
 from torpor.settings import Settings, parse_bytes
 
 pytestmark = pytest.mark.timeout(180)
@@ -127,6 +127,10 @@ def test_the_file_is_versioned_private_and_read_again_when_it_changes(tmp_path: 
     assert config.establish(home, {"TORPOR_STORE": "s3://bucket/a"}).keep_last == 3
     with pytest.raises(UsageError, match="torpor store set --url"):
         config.establish(home, {"TORPOR_STORE": str(tmp_path / "elsewhere")})
+    path.chmod(0o620)  # it decides where memory images go: nobody but its owner may change it
+    with pytest.raises(EnvironmentProblem, match="writable by others"):
+        config.load(home)
+    path.chmod(0o600)
     path.write_text("{not json")
     with pytest.raises(UsageError, match="is damaged"):
         config.load(home)

@@ -257,11 +257,12 @@ def cmd_checkpoints(engine: Engine, args: argparse.Namespace) -> int:
     ]
     headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "STORED", "FROZEN", "TOTAL", "STATE"]
     print(table(headers, rows) if rows else "no checkpoints")
-    reasons = [(c.id, image.error) for c in checkpoints if (image := images.get(c.id)) and image.error]
-    if reasons:
-        print("\nnot durable (only in RAM, lost if the machine restarts):")
-        for checkpoint_id, error in reasons:
-            print(f"  {checkpoint_id}: {error}")
+    troubled = [(c.id, image) for c in checkpoints if (image := images.get(c.id)) and image.error]
+    if troubled:
+        print("\nwhy some are not durable (only in RAM: lost if the machine restarts) or not known:")
+        for checkpoint_id, image in troubled:
+            unknown = "its state is unknown: " if image.state == "unknown" else ""
+            print(f"  {checkpoint_id}: {unknown}{image.error}")
     return 0
 
 

@@ -185,11 +185,19 @@ def load(home: Path) -> StoreConfig | None:
     """The state directory's store configuration; ``None`` if it has none yet."""
     path = path_of(home)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            raw = handle.read()
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise EnvironmentProblem(f"cannot read the store configuration {path}: {exc.strerror}") from exc
+    if mode & 0o022:
+        # it says where memory images go and which key seals them: only its owner may change it
+        raise EnvironmentProblem(
+            f"the store configuration {path} is writable by others (mode {mode & 0o777:o}); "
+            f"check its values ('torpor store show'), then 'chmod 600 {path}'"
+        )
     return _parse(raw, path)
 
 
