@@ -223,6 +223,7 @@ def test_rendering_helpers() -> None:
         "stop",
         "rm",
         "doctor",
+        "store",
     ],
 )
 def test_every_command_has_help(command: str) -> None:

@@ -1,14 +1,20 @@
 """One settings object, read at the edge (CLI flags and environment) and passed down explicitly.
 
-Nothing below the CLI reads the environment: the launcher gets its settings as arguments.
+Nothing below the CLI reads the environment: the launcher gets its settings as arguments. The store
+settings (where images go, the key, retention) are not among them: they are the state directory's
+(``HOME/store.json``, :mod:`torpor.core.store.config`), the same for every process. The environment's
+store variables are only kept here, raw, to write that file on a fresh state directory or to check
+that they agree with it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,14 @@ from typing import Any
 from torpor.errors import UsageError
 
 DEFAULT_ROOT_HOME = Path("/var/lib/torpor")
+
+#: the environment variable of each field of the store configuration (torpor.core.store.config)
+STORE_VARIABLES = {
+    "url": "TORPOR_STORE",
+    "s3_endpoint": "TORPOR_S3_ENDPOINT",
+    "key_file": "TORPOR_KEY_FILE",
+    "keep_last": "TORPOR_KEEP_LAST",
+}
 
 
 @dataclass(frozen=True)
@@ -38,15 +52,10 @@ class Settings:
     hot_dir: Path | None = None
     #: most bytes of images the hot tier keeps; ``None``: half of its file system
     hot_capacity_bytes: int | None = None
-    #: the cold tier: ``None`` for a folder store in ``home/images``, a path, ``file:///PATH`` or
-    #: ``s3://BUCKET/PREFIX`` (a shared cold tier lets another node restore a job)
-    store_url: str | None = None
-    #: S3 endpoint URL for S3-compatible servers (MinIO, Ceph, moto); credentials: boto3's usual chain
-    s3_endpoint: str | None = None
-    #: encrypt stored images (AES-256-GCM) with the 32-byte key in this file
-    key_file: Path | None = None
-    #: keep this many newest checkpoints per job, plus pinned ones; 0 keeps all
-    keep_last: int = 0
+    #: the store variables (``STORE_VARIABLES``) this process's environment sets, as given: they write
+    #: the state directory's store configuration when it has none, and must agree with it otherwise;
+    #: never handed to another process (``to_dict`` leaves them out)
+    store_env: Mapping[str, str] = field(default_factory=dict)
     #: threads that hash, compress, store and fetch chunks
     store_workers: int = 4
     #: restore from the cold tier by streaming the memory pages into ``criu restore --stream`` (no copy
@@ -88,9 +97,15 @@ class Settings:
         return (self.hot_dir or Path("/dev/shm")) / f"torpor-{tag}"
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-able form, to hand the same settings to a launcher or destager process."""
+        """A JSON-able form, to hand the same settings to a launcher or destager process.
+
+        The store variables stay out: the other process takes the store configuration from the state
+        directory, as it is at each use, not as this process's environment had it.
+        """
         out: dict[str, object] = {}
         for name, value in asdict(self).items():
+            if name == "store_env":
+                continue
             out[name] = (
                 str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
             )
@@ -98,10 +113,10 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Settings:
-        paths = {"home", "criu", "hot_dir", "key_file"}
+        paths = {"home", "criu", "hot_dir"}
         values: dict[str, Any] = {}
         for f in fields(cls):
-            if f.name in data:
+            if f.name in data and f.name != "store_env":
                 value = data[f.name]
                 if f.name in paths and value is not None:
                     value = Path(value)
@@ -130,24 +145,19 @@ class Settings:
         criu = criu or os.environ.get("TORPOR_CRIU")
         env = os.environ
         hot = env.get("TORPOR_HOT_DIR")
-        key = env.get("TORPOR_KEY_FILE")
+        capacity = env.get("TORPOR_HOT_CAPACITY")
         return cls(
             home=home_path.absolute(),
             criu=find_criu(Path(criu) if criu else None),
             hot_dir=Path(hot).absolute() if hot else None,
-            hot_capacity_bytes=parse_bytes(env["TORPOR_HOT_CAPACITY"])
-            if env.get("TORPOR_HOT_CAPACITY")
-            else None,
-            store_url=env.get("TORPOR_STORE") or None,
-            s3_endpoint=env.get("TORPOR_S3_ENDPOINT") or None,
-            key_file=Path(key).absolute() if key else None,
-            keep_last=_env_int("TORPOR_KEEP_LAST", 0),
-            store_workers=_env_int("TORPOR_STORE_WORKERS", 4),
+            hot_capacity_bytes=parse_bytes(capacity, "TORPOR_HOT_CAPACITY") if capacity else None,
+            store_env={name: env[name] for name in STORE_VARIABLES.values() if env.get(name)},
+            store_workers=_env_int("TORPOR_STORE_WORKERS", 4, least=1),
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
         )
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, least: int = 0) -> int:
     text = os.environ.get(name)
     if not text:
         return default
@@ -155,20 +165,25 @@ def _env_int(name: str, default: int) -> int:
         value = int(text)
     except ValueError:
         raise UsageError(f"{name}={text!r} is not a whole number") from None
-    if value < 0:
-        raise UsageError(f"{name} must not be negative")
+    if value < least:
+        raise UsageError(f"{name}={text!r}: must be at least {least}")
     return value
 
 
-def parse_bytes(text: str) -> int:
-    """``"8G"``, ``"512M"``, ``"1.5GiB"`` or a plain number of bytes."""
+def parse_bytes(text: str, name: str | None = None) -> int:
+    """``"8G"``, ``"512M"``, ``"1.5GiB"`` or a plain number of bytes; ``name`` (a variable) is named
+    when ``text`` is not a finite size of 0 or more."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
     number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
+    shown = f"{name}={text!r}" if name else repr(text)
     try:
-        return int(float(number) * units[unit])
+        value = float(number) * units[unit]
     except ValueError:
-        raise UsageError(f"{text!r} is not a size (e.g. 8G, 512M)") from None
+        raise UsageError(f"{shown} is not a size (e.g. 8G, 512M, 1.5GiB)") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{shown} is not a size: it must be a finite number of bytes, 0 or more")
+    return int(value)
 
 
 def find_criu(configured: Path | None) -> Path | None:

@@ -206,11 +206,18 @@ def test_an_encrypted_s3_cold_tier(torpor: Torpor, hot: Path, s3_endpoint: str, 
     assert not (torpor.home / "images").exists()
     wrong = tmp_path / "wrong"
     wrong.write_bytes(os.urandom(32))
+    # another key file in the environment than the state directory's: refused before anything is read
     refused = Torpor(torpor.home, {**torpor.env, "TORPOR_KEY_FILE": str(wrong)}).run(
         "resume", "s", check=False
     )
+    assert refused.returncode == 2 and "torpor store set --key-file" in refused.stderr
+    # the configured key file now holds another key: the store says it is not its key
+    right = key.read_bytes()
+    key.write_bytes(wrong.read_bytes())
+    refused = torpor.run("resume", "s", check=False)
     assert refused.returncode == 6 and "is not the key of the store" in refused.stderr
     assert torpor.job("s")["state"] == "hibernated"
+    key.write_bytes(right)
     torpor.run("resume", "s")
     torpor.wait_for(lambda: last_step(torpor.log("s")) > at_hibernate + 3, what="progress after resume")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store import DURABLE, STAGED, TieredStore
+from torpor.core.store import DURABLE, STAGED, TieredStore, config
 from torpor.errors import CorruptImage, StorageFull, StoreError
 from torpor.settings import Settings
 
@@ -134,7 +134,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
     settings: Settings, small_tmpfs: Path
 ) -> None:
-    store = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs)))
+    settings.home.mkdir(parents=True)
+    config.save(settings.home, config.StoreConfig(url=str(small_tmpfs)))
+    store = TieredStore(settings)
     data = os.urandom(16 * MiB)
     store.put("c1", "job", _stage(store, "c1", data), {})
     with pytest.raises(StoreError, match="no space left") as caught:
@@ -147,7 +149,7 @@ def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
     store.get("c1", dest)  # still restorable from RAM
     assert (dest / "pages-1.img").read_bytes() == data
     # straight to the cold tier (no room in RAM): the error comes at once and the dump is left intact
-    tight = TieredStore(dataclasses.replace(settings, store_url=str(small_tmpfs), hot_capacity_bytes=MiB))
+    tight = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=MiB))
     staging = _stage(tight, "c2", os.urandom(16 * MiB), size_hint=16 * MiB)
     with pytest.raises(StorageFull):
         tight.put("c2", "job", staging, {})
@@ -242,3 +244,20 @@ def test_a_hot_image_is_hashed_once_then_verified_on_every_read(settings: Settin
     pages.write_bytes(bytes(blob))
     with pytest.raises(CorruptImage, match="hot tier"):  # ... and every later read checks them
         store.get("c1", store.restore_dir("c1"))
+
+
+def test_the_store_follows_its_configuration_file_and_keeps_ram_copies_restorable(
+    settings: Settings, tmp_path: Path
+) -> None:
+    settings.home.mkdir(parents=True)
+    store = TieredStore(settings)  # no configuration file yet: the default, HOME/images
+    data = os.urandom(2 * MiB)
+    store.put("c1", "job", _stage(store, "c1", data), {})
+    store.wait_durable("c1", timeout=60)
+    assert store.repo.backend.url == f"file://{settings.images_dir}"
+    # what `torpor store set --url … --force` writes: the same store object opens the new cold tier
+    config.save(settings.home, config.StoreConfig(url=str(tmp_path / "elsewhere")))
+    assert store.repo.backend.url == f"file://{tmp_path / 'elsewhere'}" and not store.repo.has("c1")
+    dest = store.restore_dir("c1")
+    store.get("c1", dest)  # its RAM copy, verified by its own hashes
+    assert (dest / "pages-1.img").read_bytes() == data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -97,12 +98,17 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert settings.hot_path.parent == tmp_path / "hot"  # torpor's own folder in the one named
     assert settings.hot_path.name.startswith("torpor-")
     assert settings.hot_capacity_bytes == int(1.5 * (1 << 30))
-    assert settings.store_url == "s3://bucket/prefix" and settings.keep_last == 3
-    assert Settings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
-    monkeypatch.setenv("TORPOR_KEEP_LAST", "many")
+    # the store variables are kept as given, for the state directory's store configuration only
+    assert settings.store_env == {"TORPOR_STORE": "s3://bucket/prefix", "TORPOR_KEEP_LAST": "3"}
+    handed = Settings.from_dict(json.loads(json.dumps(settings.to_dict())))
+    assert handed == dataclasses.replace(settings, store_env={})
+    monkeypatch.setenv("TORPOR_STORE_WORKERS", "many")
     with pytest.raises(UsageError, match="whole number"):
         Settings.from_environment(home=str(tmp_path))
-    monkeypatch.setenv("TORPOR_KEEP_LAST", "3")
+    monkeypatch.setenv("TORPOR_STORE_WORKERS", "0")
+    with pytest.raises(UsageError, match="TORPOR_STORE_WORKERS='0': must be at least 1"):
+        Settings.from_environment(home=str(tmp_path))
+    monkeypatch.delenv("TORPOR_STORE_WORKERS")
     monkeypatch.setenv("TORPOR_STREAM_RESTORE", "maybe")
     with pytest.raises(UsageError, match="TORPOR_STREAM_RESTORE='maybe' must be 1 or 0"):
         Settings.from_environment(home=str(tmp_path))

@@ -57,7 +57,19 @@ from torpor.core.records import (
     JobState,
     Records,
 )
-from torpor.core.store import Check, GcResult, ImageStore, PageSource, PageStream, StoredImage, open_store
+from torpor.core.store import (
+    DURABLE,
+    Check,
+    GcResult,
+    ImageStore,
+    PageSource,
+    PageStream,
+    StoreConfig,
+    StoredImage,
+    open_cold_tier,
+    open_store,
+)
+from torpor.core.store import config as store_config
 from torpor.errors import (
     CheckpointNotFound,
     EnvironmentProblem,
@@ -86,9 +98,16 @@ def _quiet(_: str) -> None:
 
 
 class Context:
-    """What every operation needs, built from one :class:`Settings`."""
+    """What every operation needs, built from one :class:`Settings`.
 
-    def __init__(self, settings: Settings, gpu_stage: gpu.GpuStage | None = None) -> None:
+    It writes the state directory's store configuration from ``settings.store_env`` if there is none
+    yet, and refuses store variables that disagree with it unless ``check_store_env`` is off (for
+    ``torpor store``, which shows and changes it).
+    """
+
+    def __init__(
+        self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
+    ) -> None:
         self.settings = settings
         self.gpu: gpu.GpuStage = gpu_stage or gpu.NoGpuStage()
         make_state_private(settings)
@@ -96,6 +115,7 @@ class Context:
             raise EnvironmentProblem(
                 f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME"
             )
+        store_config.establish(settings.home, settings.store_env, check=check_store_env)
         self.records = Records(settings.db_path)
         self.store: ImageStore = open_store(settings)
         #: in a launcher after a lazy restore: the ``criu lazy-pages`` still bringing memory in
@@ -173,7 +193,11 @@ def checkpoint_in_launcher(
     launcher: Launcher,
     send: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock."""
+    """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock.
+
+    Returns ``{"checkpoint": …, "not_durable": why or None}``: an image the cold tier cannot take now
+    stays in RAM only, and the caller is told why.
+    """
 
     def progress(text: str) -> None:
         send({"progress": text})
@@ -237,6 +261,7 @@ def checkpoint_in_launcher(
                     raise
             raise
         committed = True
+        not_durable = stored.error
         total_s = time.monotonic() - started
         checkpoint = Checkpoint(
             id=checkpoint_id,
@@ -271,12 +296,12 @@ def checkpoint_in_launcher(
         records.transition(name, {JobState.HIBERNATING}, JobState.HIBERNATED)
     else:
         records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
-    return asdict(checkpoint)
+    return {"checkpoint": asdict(checkpoint), "not_durable": not_durable}
 
 
 def apply_retention(ctx: Context, name: str, progress: Progress = _quiet) -> list[str]:
     """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids."""
-    keep = ctx.settings.keep_last
+    keep = ctx.store.config.keep_last  # the state directory's, as it is now
     if keep <= 0:
         return []
     checkpoints = sorted(ctx.records.checkpoints(name), key=lambda c: c.created_at, reverse=True)
@@ -498,8 +523,10 @@ class JobStatus:
 
 
 class Engine:
-    def __init__(self, settings: Settings, gpu_stage: gpu.GpuStage | None = None) -> None:
-        self.ctx = Context(settings, gpu_stage)
+    def __init__(
+        self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
+    ) -> None:
+        self.ctx = Context(settings, gpu_stage, check_store_env)
         self.settings = settings
         self.records = self.ctx.records
 
@@ -682,6 +709,53 @@ class Engine:
 
         return self.ctx.store.wait_durable(checkpoint_id, show)
 
+    # -- the store configuration ------------------------------------------------------------------------
+
+    @property
+    def store_config(self) -> StoreConfig:
+        return self.ctx.store.config
+
+    def set_store(self, changes: dict[str, Any], force: bool = False) -> StoreConfig:
+        """Change the state directory's store configuration; the new one is checked before it is written.
+
+        A new cold tier (or key) is opened for real first (created if new; the key checked against the
+        store). Moving to another cold tier leaves the checkpoints stored in the old one there: refused
+        while the records hold some the new one lacks, unless ``force``. Images still waiting in RAM
+        are stored into the new one.
+        """
+        home = self.settings.home
+        old = self.store_config
+        new = old.replace(**changes)
+        if new == old:
+            return old
+        if new.replace(keep_last=0) != old.replace(keep_last=0):
+            try:
+                repo = open_cold_tier(new, home, self.settings.store_workers)
+            except TorporError as exc:
+                raise type(exc)(
+                    f"cannot use the new store: {exc.message}; the store configuration is unchanged",
+                    details=exc.details,
+                ) from exc
+            if new.place(home) != old.place(home) and not force:
+                checkpoints = self.records.checkpoints()
+                images = self.image_states(checkpoints)
+                left = [
+                    c.id
+                    for c in checkpoints
+                    if (image := images.get(c.id)) is not None
+                    and image.state in (DURABLE, "unknown")
+                    and not repo.has(c.id)
+                ]
+                if left:
+                    raise UsageError(
+                        f"{len(left)} checkpoint(s) are stored in {old.cold_url(home)} and not in "
+                        f"{new.cold_url(home)}: they would stay behind, out of reach until the store is set "
+                        "back; pass --force to change it anyway, or 'torpor rm' their jobs first"
+                    )
+        store_config.save(home, new)
+        self.ctx.store.retry()
+        return new
+
     def pin(self, name: str, ref: str, pinned: bool = True) -> Checkpoint:
         checkpoint = self.records.find_checkpoint(name, ref)
         self.ctx.store.set_pinned(checkpoint.id, pinned)
@@ -697,7 +771,10 @@ class Engine:
 
     # -- checkpoint and hibernate ---------------------------------------------------------------------
 
-    def checkpoint(self, name: str, hibernate: bool = False, progress: Progress = _quiet) -> Checkpoint:
+    def checkpoint(
+        self, name: str, hibernate: bool = False, progress: Progress = _quiet, warn: Progress = _quiet
+    ) -> Checkpoint:
+        """Checkpoint (or hibernate) a running job; ``warn`` is told if its image is only in RAM, and why."""
         job = self.reconcile(self.records.job(name))
         if job.state != JobState.RUNNING:
             verb = "hibernate" if hibernate else "checkpoint"
@@ -713,8 +790,10 @@ class Engine:
             {"op": "checkpoint", "hibernate": hibernate},
             on_progress=progress,
         )
-        checkpoint = reply["checkpoint"]
-        return Checkpoint(**checkpoint)
+        checkpoint = Checkpoint(**reply["checkpoint"])
+        if reply.get("not_durable"):
+            warn(f"checkpoint {checkpoint.id} is only in RAM: {reply['not_durable']}")
+        return checkpoint
 
     # -- restore ---------------------------------------------------------------------------------------
 

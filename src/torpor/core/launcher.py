@@ -38,7 +38,8 @@ from torpor.settings import Settings
 class LaunchSpec:
     """What the CLI asks a new launcher to do (passed as JSON on its command line)."""
 
-    settings_dict: dict[str, Any]  # the CLI's whole Settings (Settings.to_dict)
+    #: the CLI's Settings (Settings.to_dict; the store configuration is the state directory's, read at use)
+    settings_dict: dict[str, Any]
     job: str
     mode: str  # "start" or "restore"
     image_dir: str | None = None  # restore: the image folder (verified but for a gate) it consumes
@@ -240,7 +241,7 @@ class Launcher:
                 result = engine.checkpoint_in_launcher(
                     self.ctx, self.job.name, self.pid, hibernate, self, send
                 )
-            return {"ok": True, "checkpoint": result}
+            return {"ok": True, **result}
         if op == "wait_lazy":
             # after a lazy restore: until every page is in, the job can still meet a damaged chunk
             daemon = self.ctx.lazy_pages

@@ -3,6 +3,7 @@
 The engine hands the store a complete image folder and later asks for a verified copy back; it never
 knows how images are kept. Modules, bottom up (one activity each, as in borg/borgstore)::
 
+    config.py       the state directory's store configuration: cold tier, key, retention
     backend.py      named immutable objects on a folder (here) or S3 (adapters/s3.py)
     objects.py      the envelope of a stored object: hash, zstd, AES-GCM
     pagemap.py      where CRIU's pages lie in the address space, for chunking
@@ -28,8 +29,9 @@ from torpor.core.store.base import (
     PageStream,
     StoredImage,
 )
+from torpor.core.store.config import StoreConfig
 from torpor.core.store.hot import HotTier
-from torpor.core.store.tiered import TieredStore
+from torpor.core.store.tiered import TieredStore, open_cold_tier
 from torpor.settings import Settings
 
 __all__ = [
@@ -41,8 +43,10 @@ __all__ = [
     "ImageStore",
     "PageSource",
     "PageStream",
+    "StoreConfig",
     "StoredImage",
     "TieredStore",
+    "open_cold_tier",
     "open_store",
     "remove_hot_tier",
 ]

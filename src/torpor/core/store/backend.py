@@ -304,15 +304,33 @@ class _FileWriter:
             self._tmp.unlink(missing_ok=True)
 
 
+def normalize_url(url: str) -> str:
+    """The one spelling of a store URL: an absolute folder path, or ``s3://BUCKET[/PREFIX]``.
+
+    Raises UsageError for what no backend can open (so a bad URL is refused where it is set).
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme in ("", "file"):
+        path = parts.path if parts.scheme else url.strip()
+        if not path:
+            raise UsageError("a folder store needs a folder: a path or file:///PATH")
+        return str(Path(path).absolute())
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise UsageError("an S3 store URL needs a bucket: s3://BUCKET[/PREFIX]")
+        prefix = parts.path.strip("/")
+        return f"s3://{parts.netloc}/{prefix}" if prefix else f"s3://{parts.netloc}"
+    raise UsageError(
+        f"unsupported store URL scheme '{parts.scheme}://': use a folder path, file:///PATH or s3://BUCKET/PREFIX"
+    )
+
+
 def open_backend(url: str, *, s3_endpoint: str | None = None, workers: int = 8) -> Backend:
     """A backend for ``url``: a path or ``file://PATH`` (a folder), or ``s3://BUCKET[/PREFIX]``."""
-    parts = urlsplit(url)
-    if parts.scheme in ("", "file"):
-        return FolderBackend(Path(parts.path if parts.scheme else url).absolute())
-    if parts.scheme == "s3":
-        from torpor.adapters.s3 import S3Backend
+    url = normalize_url(url)
+    if not url.startswith("s3://"):
+        return FolderBackend(Path(url))
+    from torpor.adapters.s3 import S3Backend
 
-        return S3Backend(
-            bucket=parts.netloc, prefix=parts.path.strip("/"), endpoint=s3_endpoint, workers=workers
-        )
-    raise UsageError(f"unsupported store URL {url!r}: use a folder path, file:///PATH or s3://BUCKET/PREFIX")
+    parts = urlsplit(url)
+    return S3Backend(bucket=parts.netloc, prefix=parts.path.strip("/"), endpoint=s3_endpoint, workers=workers)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torpor.core.store.config import StoreConfig
 
 #: a checkpoint's image is in the hot tier only, waiting for the destager
 STAGED = "staged"
@@ -68,7 +71,7 @@ class StoredImage:
             return self.state
         if self.state == DESTAGING and self.progress is not None:
             return f"destaging {self.progress * 100:.0f}%"
-        return self.state + (" (not durable: see error)" if self.error else "")
+        return self.state + (" (not durable)" if self.error else "")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,13 @@ class GcResult:
 
 
 class ImageStore(Protocol):
+    @property
+    def config(self) -> StoreConfig:
+        """The state directory's store configuration as it is now (cold tier, key, retention)."""
+
+    def retry(self) -> None:
+        """Store again, in the background, the images a failure left in RAM only."""
+
     def staging_dir(self, checkpoint_id: str, size_hint: int | None = None, pids: Sequence[int] = ()) -> Path:
         """A new empty folder for CRIU to dump into, placed so that :meth:`put` is cheap.
 
@@ -91,6 +101,9 @@ class ImageStore(Protocol):
         self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
     ) -> StoredImage:
         """Take ownership of a complete image folder (it is moved or consumed on success).
+
+        An image kept in RAM, to be stored later, that the cold tier cannot take now (it cannot be
+        opened, refuses the key or takes no writes) comes back with ``error`` saying why.
 
         The image becomes visible only when complete: a crash at any moment leaves it absent or whole.
         On failure ``image_dir`` is left as it was (the caller may still restore from it) and

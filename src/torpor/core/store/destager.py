@@ -67,7 +67,11 @@ def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None =
         repo.delete(record.id)
         return
     hot.update(
-        record.id, state=DURABLE, done_bytes=total, stored_bytes=int(manifest.sizes.get("new_bytes", 0))
+        record.id,
+        state=DURABLE,
+        done_bytes=total,
+        stored_bytes=int(manifest.sizes.get("new_bytes", 0)),
+        error=None,
     )
     seconds = time.monotonic() - started
     _log(
@@ -169,6 +173,7 @@ def run(store: TieredStore) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     os.umask(system.PRIVATE_UMASK)  # as its starter's already: what it writes is private
+    # the store configuration is not in these settings: TieredStore reads the state directory's
     settings = Settings.from_dict(json.loads(args[0]))
     try:
         return run(TieredStore(settings))

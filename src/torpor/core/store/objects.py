@@ -141,7 +141,9 @@ class Codec:
         payload: bytes | memoryview = memoryview(blob)[HEADER.size :]  # no copy of a large chunk
         if flags & FLAG_SEALED:
             if self._aead is None:
-                raise KeyProblem(f"{what} is encrypted and no key is configured; set TORPOR_KEY_FILE")
+                raise KeyProblem(
+                    f"{what} is encrypted and no key is configured; set it with 'torpor store set --key-file FILE'"
+                )
             payload = self._aead.open(payload, bytes(blob[: HEADER.size]), what)
         elif self._aead is not None:
             raise CorruptImage(f"{what} is not encrypted, but this store's objects must be")

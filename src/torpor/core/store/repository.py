@@ -222,18 +222,34 @@ class Repository:
             )
         if config.get("encryption") and not self.codec.encrypted:
             raise KeyProblem(
-                f"the store {self.backend.url} is encrypted: set TORPOR_KEY_FILE to its key file"
+                f"the store {self.backend.url} is encrypted: set its key file with "
+                "'torpor store set --key-file FILE'"
             )
         if not config.get("encryption") and self.codec.encrypted:
             raise KeyProblem(
                 f"a key file is configured but the store {self.backend.url} is not encrypted; unset "
-                "TORPOR_KEY_FILE or use a new store"
+                "it with 'torpor store set --no-key', or use a new store ('--url')"
             )
         if config.get("key_check") != self.codec.key_check:
             raise KeyProblem(f"the configured key file is not the key of the store {self.backend.url}")
         self.chunk_size = int(config.get("chunk_size", DEFAULT_CHUNK_SIZE))
         self._opened = True
         return self
+
+    def probe(self) -> None:
+        """Store and delete a small object: raises the backend's error if the store takes no writes now.
+
+        Opening reads only; this finds a store that became read-only or full, before an image is sent.
+        """
+        self.open()
+        name = f"probe/{uuid.uuid4().hex}"
+        try:
+            self.backend.store(name, b"torpor checks that the store takes writes\n")
+            self.backend.delete(name)
+        except StoreError as exc:
+            cause = exc.__cause__
+            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else exc.message
+            raise type(exc)(f"the store {self.backend.url} takes no writes: {why}") from exc
 
     # -- writing --------------------------------------------------------------------------------------
 

@@ -40,12 +40,13 @@ from torpor.core.store.base import (
     StoredImage,
     is_bulk,
 )
+from torpor.core.store.config import ConfigFile, StoreConfig
 from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, tier_error, write_owner
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
 from torpor.core.store.repository import Repository, verify_extents
-from torpor.errors import CheckpointNotFound, CorruptImage, StoreError
+from torpor.errors import CheckpointNotFound, CorruptImage, StoreError, TorporError
 from torpor.settings import Settings
 
 LOCK_FILE = "destager.lock"
@@ -58,25 +59,48 @@ class _HotCopyCorrupt(CorruptImage):
     """The hot copy of a durable image is damaged (and was dropped); the checkpoint itself is fine."""
 
 
+def open_cold_tier(config: StoreConfig, home: Path, workers: int) -> Repository:
+    """The cold tier ``config`` names, opened: created if new, the key checked against it."""
+    key = read_key_file(config.key_file) if config.key_file else None
+    backend = open_backend(config.cold_url(home), s3_endpoint=config.s3_endpoint, workers=workers)
+    return Repository(backend, key, workers).open()
+
+
 class TieredStore:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes, own_mount=settings.hot_dir is None)
         self.cold_staging = settings.staging_dir
+        self.config_file = ConfigFile(settings.home)
         self._repo: Repository | None = None
+        self._repo_config: StoreConfig | None = None
         self._kicked = 0.0
 
     @property
+    def config(self) -> StoreConfig:
+        """The state directory's store configuration as it is now (``torpor store set`` may change it)."""
+        return self.config_file.current()
+
+    @property
     def repo(self) -> Repository:
-        """The cold tier, opened on first use (the key is checked against the store here)."""
-        if self._repo is None:
-            key = read_key_file(self.settings.key_file) if self.settings.key_file else None
-            url = self.settings.store_url or str(self.settings.images_dir)
-            backend = open_backend(
-                url, s3_endpoint=self.settings.s3_endpoint, workers=self.settings.store_workers
-            )
-            self._repo = Repository(backend, key, self.settings.store_workers).open()
+        """The cold tier, opened on first use (the key is checked against the store here).
+
+        Opened again when the store configuration changed since: a launcher lives as long as its job,
+        and its next checkpoint goes where the configuration says now.
+        """
+        config = self.config.replace(keep_last=0)  # retention does not change where images are
+        if self._repo is None or config != self._repo_config:
+            self._repo = open_cold_tier(config, self.settings.home, self.settings.store_workers)
+            self._repo_config = config
         return self._repo
+
+    def cold_problem(self) -> str | None:
+        """Why the cold tier cannot take an image now (cannot be opened, wrong key, no writes); else None."""
+        try:
+            self.repo.probe()
+        except TorporError as exc:
+            return exc.message
+        return None
 
     # -- writing --------------------------------------------------------------------------------------
 
@@ -113,6 +137,11 @@ class TieredStore:
         if self.hot.owns(image_dir):
             record = self.hot.commit(checkpoint_id, job, image_dir, full_meta)
             self.kick()
+            # the destager stores it later: say now if the cold tier cannot take it (the caller warns)
+            problem = self.cold_problem()
+            if problem is not None:
+                record = self.hot.update(checkpoint_id, error=problem) or record
+                return dataclasses.replace(self._from_record(record), error=problem)
             return self._from_record(record)
         manifest = self.repo.write(checkpoint_id, job, image_dir, full_meta)
         shutil.rmtree(image_dir, ignore_errors=True)
@@ -275,7 +304,8 @@ class TieredStore:
             return None
         manifest = None
         if record.state == DURABLE:
-            with contextlib.suppress(StoreError):
+            # not found: stored in a cold tier the configuration no longer names (torpor store set --force)
+            with contextlib.suppress(StoreError, CheckpointNotFound):
                 manifest = self.repo.manifest(checkpoint_id)
         hashed_now = False
         try:
@@ -475,9 +505,13 @@ class TieredStore:
     def pinned(self) -> set[str]:
         return self.repo.pinned()
 
-    def gc(self) -> GcResult:
+    def retry(self) -> None:
+        """Start a destager for images a failure left staged (e.g. the cold tier was full or misset)."""
         if not self.destager_running() and any(r.state != DURABLE for r in self.hot.records()):
-            self.kick()  # retry images a failure left staged (e.g. the cold tier was full)
+            self.kick()
+
+    def gc(self) -> GcResult:
+        self.retry()
         report = self.repo.gc()
         return GcResult(report.manifests, report.chunks_kept, report.chunks_deleted)
 
@@ -493,16 +527,17 @@ class _ColdPages:
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
         self._store = store
+        self._repo = store.repo  # the store it was read from, even if the configuration changes meanwhile
         self._manifest = manifest
         self._entries = {entry.name: entry for entry in manifest.files if is_bulk(entry.name)}
         self.names = frozenset(self._entries)
-        workers = max(1, store.settings.store_workers) if store.repo.backend.remote else 1
+        workers = max(1, store.settings.store_workers) if self._repo.backend.remote else 1
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="stream")
         self._ahead = max(4, 2 * workers)
 
     def write(self, name: str, fd: int) -> None:
         try:
-            self._store.repo.pipe_file(self._manifest.id, self._entries[name], fd, self._pool, self._ahead)
+            self._repo.pipe_file(self._manifest.id, self._entries[name], fd, self._pool, self._ahead)
         except CorruptImage as exc:
             raise self._store._with_hint(exc, self._manifest.id) from exc
 
