@@ -100,3 +100,24 @@ def torpor(tmp_path: Path) -> Iterator[Torpor]:
 
 def python_job(script: str, *args: str) -> list[str]:
     return ["--", sys.executable, "-u", str(JOBS / script), *args]
+
+
+#: ``mount(name, options)``: a tmpfs mounted (with those options) on a new folder of the test's tmp_path
+MountTmpfs = Callable[[str, str], Path]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[MountTmpfs]:
+    """Small file systems a test can fill or make read-only; unmounted after it."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)

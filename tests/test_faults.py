@@ -10,12 +10,11 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import TORPOR, Torpor, python_job
+from conftest import TORPOR, MountTmpfs, Torpor, python_job
 from torpor.adapters import system
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,22 +34,6 @@ def assert_running_not_frozen(torpor: Torpor, name: str) -> None:
     assert pids and all(system.process_state(pid) not in ("T", "t") for pid in pids)
     before = torpor.log(name).count("\n")
     torpor.wait_for(lambda: torpor.log(name).count("\n") > before + 2, what=f"{name} to make progress")
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
-        mounted.append(path)
-        return path
-
-    yield mount  # type: ignore[misc]
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_unknown_job(torpor: Torpor) -> None:
@@ -140,16 +123,16 @@ def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(
     assert_running_not_frozen(torpor, "old")
 
 
-def test_state_directory_not_writable(torpor: Torpor, tmpfs: object) -> None:
-    readonly = tmpfs("ro", "ro,size=1m")  # type: ignore[operator]
+def test_state_directory_not_writable(torpor: Torpor, tmpfs: MountTmpfs) -> None:
+    readonly = tmpfs("ro", "ro,size=1m")
     home = Torpor(readonly / "home", {**torpor.env, "TORPOR_HOME": str(readonly / "home")})
     assert_one_line_error(home.run("ps", check=False), 3, "set TORPOR_HOME")
     assert_one_line_error(home.run("run", "--", "true", check=False), 3, "set TORPOR_HOME")
 
 
 @pytest.mark.criu
-def test_disk_full_while_dumping(torpor: Torpor, tmpfs: object) -> None:
-    small = tmpfs("small", "size=24m")  # type: ignore[operator]
+def test_disk_full_while_dumping(torpor: Torpor, tmpfs: MountTmpfs) -> None:
+    small = tmpfs("small", "size=24m")
     # both tiers on the small file system: the RAM tier that CRIU dumps into and the durable one
     env = {**torpor.env, "TORPOR_HOME": str(small / "home"), "TORPOR_HOT_DIR": str(small / "hot")}
     full = Torpor(small / "home", env)

@@ -11,12 +11,11 @@ import json
 import os
 import stat
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import Torpor, python_job
+from conftest import MountTmpfs, Torpor, python_job
 from torpor.core.store import config
 from torpor.core.store.backend import FolderBackend
 from torpor.core.store.repository import Repository
@@ -40,26 +39,6 @@ def key_file(path: Path) -> Path:
     path.write_bytes(os.urandom(32))
     path.chmod(0o600)
     return path
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[object]:
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # -- values refused where they are set (fast, no CRIU) ----------------------------------------------
@@ -221,8 +200,8 @@ def test_a_running_job_checkpoints_into_the_store_set_after_it_started(
 
 
 @pytest.mark.criu
-def test_a_checkpoint_that_cannot_be_stored_says_so(torpor: Torpor, tmpfs: object) -> None:
-    cold = tmpfs("cold", "size=16m")  # type: ignore[operator]
+def test_a_checkpoint_that_cannot_be_stored_says_so(torpor: Torpor, tmpfs: MountTmpfs) -> None:
+    cold = tmpfs("cold", "size=16m")
     torpor.env["TORPOR_STORE"] = str(cold)
     torpor.run("run", "--name", "r", *python_job("counter.py"))
     torpor.wait_log("r", "step 2")
