@@ -65,6 +65,33 @@ def test_an_older_homes_own_folders_are_tightened_and_a_strangers_refused(tmp_pa
             Context(settings)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another user")
+def test_a_home_another_user_could_replace_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A home in (or below) a folder a stranger owns, or may rename entries in, is theirs to swap."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, NOBODY, NOBODY)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by all, not sticky
+    link_dir = tmp_path / "links"
+    link_dir.mkdir()
+    (link_dir / "home").symlink_to(tmp_path / "elsewhere")
+    os.chown(link_dir / "home", NOBODY, NOBODY, follow_symlinks=False)
+    for home, why in (
+        (theirs / "home", f"{theirs} is owned by uid {NOBODY}"),
+        (theirs / "deeper" / "home", f"{theirs} is owned by uid {NOBODY}"),
+        (shared / "home", "other users could rename"),
+        (link_dir / "home", f"{link_dir / 'home'} is owned by uid {NOBODY}"),
+    ):
+        with pytest.raises(UnsafePath, match=why):
+            Context(Settings(home=home))
+        assert not home.exists()
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody may rename what is not theirs
+    Context(Settings(home=shared / "home"))
+    assert mode(shared / "home") == 0o700
+
+
 def test_the_job_keeps_its_callers_umask_while_its_log_is_private(torpor: Torpor, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

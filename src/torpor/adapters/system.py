@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,34 @@ def write_private(path: Path, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def replaceable_by_others(path: Path) -> str | None:
+    """Why a user other than torpor's (or root) could replace ``path`` or a folder above it; else None.
+
+    Such a user could rename what torpor keeps there and put their own in its place, or swap a folder
+    for a link. So each folder on the way, as given and as links resolve it, must be owned by root or
+    torpor's user, and writable by nobody else unless sticky (as /tmp and /dev/shm are: there, others
+    cannot rename what is not theirs); a link on the way must be owned by one of them too.
+    """
+    trusted = (0, os.geteuid())
+    given = Path(os.path.abspath(path))
+    for start in dict.fromkeys((given, Path(os.path.realpath(given)))):
+        for folder in (start, *start.parents):
+            try:
+                found = os.lstat(folder)
+            except FileNotFoundError:
+                continue  # made later, by torpor
+            except OSError as exc:
+                return f"{folder} cannot be looked at ({exc.strerror})"
+            if found.st_uid not in trusted:
+                return f"{folder} is owned by uid {found.st_uid}, who could replace what it holds"
+            if stat.S_ISDIR(found.st_mode) and found.st_mode & 0o022 and not found.st_mode & stat.S_ISVTX:
+                return (
+                    f"{folder} has mode {stat.S_IMODE(found.st_mode):04o}: other users could rename what "
+                    "it holds (a shared folder needs the sticky bit, as /tmp has)"
+                )
+    return None
 
 
 def make_private_dirs(path: Path) -> None:

@@ -148,6 +148,12 @@ def make_state_private(settings: Settings) -> None:
     The home itself is tightened only when it holds torpor's database: a home the user made for more
     than torpor (or /tmp) is theirs to set.
     """
+    problem = system.replaceable_by_others(settings.home)
+    if problem is not None:
+        raise UnsafePath(
+            f"the state directory {settings.home} is not safe: {problem}; set TORPOR_HOME to a folder "
+            "only torpor's user can change"
+        )
     for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
         try:
             system.make_private_dirs(folder)

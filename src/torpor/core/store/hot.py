@@ -149,18 +149,6 @@ def _folder_problem(st: os.stat_result) -> str | None:
     return None
 
 
-def _parent_problem(st: os.stat_result) -> str | None:
-    """What lets others rename or replace what the folder holds; ``None``: nothing (e.g. /dev/shm)."""
-    if st.st_uid not in (0, os.geteuid()):
-        return f"is owned by uid {st.st_uid}, who can rename what it holds"
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return (
-            f"has mode {stat.S_IMODE(st.st_mode):04o}: other users can rename what it holds "
-            "(a shared folder needs the sticky bit, as /dev/shm has)"
-        )
-    return None
-
-
 class HotTier:
     def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
         self.root = root
@@ -223,15 +211,11 @@ class HotTier:
 
     def _open_root(self) -> tuple[int, os.stat_result]:
         """A descriptor of the root folder, checked (with its parent) to be torpor's own, and its stat."""
-        try:
-            parent = os.stat(self.root.parent)
-        except OSError as exc:
-            raise StoreError(f"cannot look at {self.root.parent}: {exc.strerror}") from exc
-        problem = _parent_problem(parent)
+        problem = system.replaceable_by_others(self.root.parent)
         if problem is not None:
             raise UnsafePath(
-                f"the hot tier's folder {self.root.parent} {problem}; set TORPOR_HOT_DIR to a folder "
-                "only torpor's user can change"
+                f"the hot tier {self.root} is not safe: {problem}; set TORPOR_HOT_DIR to a folder only "
+                "torpor's user can change"
             )
         try:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
