@@ -22,7 +22,7 @@ import pytest
 
 from conftest import Torpor
 from torpor.adapters import procmem
-from torpor.core.store.backend import FolderBackend
+from torpor.adapters.folder import FolderBackend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.repository import Prestored, Repository
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store.backend import Backend, FolderBackend
+from torpor.adapters.folder import FolderBackend
+from torpor.core.store.backend import Backend
 from torpor.core.store.repository import Prestored, Repository
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
 
