@@ -32,6 +32,9 @@ from urllib.parse import urlsplit
 from torpor.adapters.folder import FolderBackend as FolderBackend
 from torpor.errors import UsageError
 
+#: for :meth:`Backend.load_into`: new bytes, always
+NO_BUFFER = memoryview(b"")
+
 
 class Backend(Protocol):
     url: str
