@@ -24,7 +24,8 @@ from conftest import Torpor
 from torpor.adapters import procmem
 from torpor.adapters.folder import FolderBackend
 from torpor.core.store.base import is_bulk
-from torpor.core.store.repository import Prestored, Repository
+from torpor.core.store.prestore import Prestored
+from torpor.core.store.repository import Repository
 
 MiB = 1 << 20
 PAGE = procmem.PAGE_SIZE
