@@ -43,7 +43,7 @@ def read(
     """Rebuild checkpoint ``checkpoint_id`` in ``dest``, fetching and verifying chunks in parallel.
 
     The chunks of files ``defer`` names are written unverified: the caller must run
-    :func:`verify_extents` on those files before it trusts them. Files ``skip`` names are not
+    :func:`~torpor.core.store.verify.verify_extents` on those files before it trusts them. Files ``skip`` names are not
     written at all (see :func:`file_data`).
     """
     manifest = repo.manifest(checkpoint_id)

@@ -32,22 +32,18 @@ from __future__ import annotations
 import contextlib
 import mmap
 import uuid
-from collections.abc import Callable, Generator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
 from torpor.core.store import gc as _gc
 from torpor.core.store import prestore as _prestore
 from torpor.core.store import reading, writing
 from torpor.core.store.backend import NO_BUFFER, Backend
-from torpor.core.store.chunking import ProgressFn, no_progress
 from torpor.core.store.format import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_SIZE, chunk_name, open_config
-from torpor.core.store.gc import GcReport
 from torpor.core.store.lock import RepositoryLock
-from torpor.core.store.manifest import FileEntry, Manifest
+from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import HEADER, KIND_MANIFEST, Codec
 from torpor.core.store.packs import ChunkMap, Location, Packs, Storer
+
+# where Repository.write takes what Repository.prestore stored; importable from here as before
 from torpor.core.store.prestore import Prestored as Prestored
 from torpor.core.store.verify import chunk_plaintext
 from torpor.errors import CheckpointNotFound, CorruptImage, ObjectNotFound, StoreError
@@ -104,37 +100,10 @@ class Repository:
 
     # -- writing --------------------------------------------------------------------------------------
 
-    def write(
-        self,
-        checkpoint_id: str,
-        job: str,
-        image_dir: Path,
-        meta: Mapping[str, Any],
-        progress: ProgressFn = no_progress,
-        skip: Callable[[str], bool] = lambda _: False,
-        prestored: Prestored | None = None,
-    ) -> Manifest:
-        """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last.
-
-        See :func:`~torpor.core.store.writing.write_image`.
-        """
-        return writing.write_image(
-            self, checkpoint_id, job, image_dir, meta, progress, skip, prestored or Prestored()
-        )
-
-    def prestore(
-        self,
-        image_dir: Path,
-        prestored: Prestored,
-        finished: Callable[[], bool],
-        workers: int = 1,
-        memory_of: Sequence[int] = (),
-    ) -> None:
-        """Store the chunks of a dump still in progress that CRIU has written already (best effort).
-
-        See :func:`~torpor.core.store.prestore.prestore`.
-        """
-        _prestore.prestore(self, image_dir, prestored, finished, workers, memory_of)
+    #: store an image as a checkpoint, its manifest last (:func:`~torpor.core.store.writing.write_image`)
+    write = writing.write_image
+    #: store what CRIU has written of a dump in progress (:func:`~torpor.core.store.prestore.prestore`)
+    prestore = _prestore.prestore
 
     def packs(self) -> Packs:
         """New packs for this store, which tell :attr:`chunks` of their index."""
@@ -168,33 +137,12 @@ class Repository:
         self.open()
         return self.backend.exists(f"manifests/{checkpoint_id}")
 
-    def read(
-        self,
-        checkpoint_id: str,
-        dest: Path,
-        progress: ProgressFn = no_progress,
-        defer: Callable[[str], bool] = lambda _: False,
-        skip: Callable[[str], bool] = lambda _: False,
-    ) -> Manifest:
-        """Rebuild checkpoint ``checkpoint_id`` in ``dest``; see :func:`~torpor.core.store.reading.read`."""
-        return reading.read(self, checkpoint_id, dest, progress, defer, skip)
-
-    def file_data(
-        self,
-        checkpoint_id: str,
-        entry: FileEntry,
-        pool: ThreadPoolExecutor,
-        ahead: int = 8,
-        buffers: Callable[[], memoryview] | None = None,
-    ) -> Generator[bytes | memoryview, None, None]:
-        """One file of a checkpoint, front to back, verified; see :func:`~torpor.core.store.reading.file_data`."""
-        return reading.file_data(self, checkpoint_id, entry, pool, ahead, buffers)
-
-    def pipe_file(
-        self, checkpoint_id: str, entry: FileEntry, fd: int, pool: ThreadPoolExecutor, ahead: int = 8
-    ) -> None:
-        """One file of a checkpoint into a pipe; see :func:`~torpor.core.store.reading.pipe_file`."""
-        reading.pipe_file(self, checkpoint_id, entry, fd, pool, ahead)
+    #: a checkpoint into a folder (:func:`~torpor.core.store.reading.read`)
+    read = reading.read
+    #: one file of a checkpoint, front to back, verified (:func:`~torpor.core.store.reading.file_data`)
+    file_data = reading.file_data
+    #: one file of a checkpoint into a pipe (:func:`~torpor.core.store.reading.pipe_file`)
+    pipe_file = reading.pipe_file
 
     def chunk_data(
         self, checkpoint_id: str, chunk: str, length: int, verify: bool = True, place: str | None = None
@@ -203,7 +151,9 @@ class Repository:
 
         ``place`` (e.g. ``pages-1.img at offset 4096``) says where the chunk belongs, for the error.
         """
-        return self._chunk_plaintext(checkpoint_id, chunk, length, place, verify, NO_BUFFER)
+        return chunk_plaintext(
+            self.codec, self.load_chunk, checkpoint_id, chunk, length, place, verify, NO_BUFFER
+        )
 
     def chunk_into(
         self, checkpoint_id: str, chunk: str, length: int, buffer: memoryview, place: str | None = None
@@ -218,24 +168,12 @@ class Repository:
         start = mmap.PAGESIZE
         if len(buffer) < start + length:
             raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a chunk of {length}")
-        data = self._chunk_plaintext(checkpoint_id, chunk, length, place, True, buffer[start - HEADER.size :])
+        into = buffer[start - HEADER.size :]  # so that a plain chunk's payload lands at ``start``
+        data = chunk_plaintext(self.codec, self.load_chunk, checkpoint_id, chunk, length, place, True, into)
         # a plain chunk read into the buffer is already in place; decrypted or decompressed bytes are new
         if not (isinstance(data, memoryview) and data.obj is buffer.obj):
             buffer[start : start + length] = data
         return buffer[start : start + length]
-
-    def _chunk_plaintext(
-        self,
-        checkpoint_id: str,
-        chunk: str,
-        length: int,
-        place: str | None,
-        verify: bool,
-        buffer: memoryview,
-    ) -> bytes | memoryview:
-        return chunk_plaintext(
-            self.codec, self.load_chunk, checkpoint_id, chunk, length, place, verify, buffer
-        )
 
     def intact(self, checkpoint_id: str, chunks: set[str] | None = None) -> bool:
         """Whether every chunk the checkpoint names is present (cheap: names only, not contents)."""
@@ -305,9 +243,8 @@ class Repository:
         self.open()
         return {name.rsplit("/", 1)[-1] for name in self.backend.list("pins")}
 
-    def gc(self, timeout: float = 120.0) -> GcReport:
-        """Delete every chunk no manifest names; see :func:`~torpor.core.store.gc.gc`."""
-        return _gc.gc(self, timeout)
+    #: delete every chunk no manifest names (:func:`~torpor.core.store.gc.gc`)
+    gc = _gc.gc
 
     def close(self) -> None:
         with contextlib.suppress(StoreError):
