@@ -59,9 +59,9 @@ def prestore(
     (all but the last one, which may still grow) and whose bytes are in the file, and hashes and
     stores them in ``workers`` threads of the lowest CPU priority (CRIU is freezing the job: it
     must not wait for a core).
-    ``prestored.pieces`` notes each piece's chunk for :meth:`Repository.write`, which uses a note only for the very
-    same piece of the same file, and only if the chunk is still in the store then. Returns once
-    ``finished()`` (the dump is complete or gone); pieces not begun by then are left to ``Repository.write``.
+    ``prestored.pieces`` notes each piece's chunk for ``Repository.write``, which uses a note only for
+    the very same piece of the same file, and only if the chunk is still in the store then. Returns once
+    ``finished()`` (the dump is complete or gone); pieces not begun by then are left to ``write``.
 
     ``memory_of``: the processes being dumped. CRIU holds them stopped for a while before its
     parasite gathers their pages (on this machine mostly its network lock: ~0.4 s of the 0.7 s
