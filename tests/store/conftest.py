@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store.backend import Backend, FolderBackend
+from torpor.adapters.folder import FolderBackend
+from torpor.core.store.backend import Backend
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings

@@ -96,6 +96,18 @@ def test_large_object_and_parallel_writers(backend: Backend) -> None:
     assert all(backend.load(f"chunks/{i:02x}/{i:04x}") == big[i:] for i in range(32))
 
 
+def test_remove_leftovers_keeps_every_stored_object_and_dropped_writers_leave_nothing(
+    backend: Backend,
+) -> None:
+    backend.store("packs/ab/abcd", b"kept")
+    dropped = backend.writer("packs/ab/abce")
+    dropped.write(b"half")
+    dropped.abort()
+    backend.sync()
+    assert backend.remove_leftovers(idle=("packs", "index")) == 0
+    assert set(backend.list("packs")) == {"packs/ab/abcd"} and backend.load("packs/ab/abcd") == b"kept"
+
+
 @pytest.mark.parametrize("name", ["../escape", "/abs", "a//b", ".hidden", "chunks/../x", ""])
 def test_names_cannot_escape(backend: Backend, name: str) -> None:
     with pytest.raises(ValueError):

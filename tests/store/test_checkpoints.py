@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TORPOR, Torpor, python_job
-from torpor.core.store.backend import FolderBackend
+from torpor.adapters.folder import FolderBackend
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings
 

@@ -26,8 +26,8 @@ import pytest
 
 from conftest import Torpor
 from torpor.adapters.criu import Criu
+from torpor.adapters.folder import FolderBackend
 from torpor.adapters.pageserver import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
-from torpor.core.store.backend import FolderBackend
 from torpor.core.store.lazy import LazyImage, extent_slices, file_ranges
 from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun, read_pagemap

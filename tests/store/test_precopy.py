@@ -22,9 +22,10 @@ import pytest
 
 from conftest import Torpor
 from torpor.adapters import procmem
-from torpor.core.store.backend import FolderBackend
+from torpor.adapters.folder import FolderBackend
 from torpor.core.store.base import is_bulk
-from torpor.core.store.repository import Prestored, Repository
+from torpor.core.store.prestore import Prestored
+from torpor.core.store.repository import Repository
 
 MiB = 1 << 20
 PAGE = procmem.PAGE_SIZE

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store.backend import Backend, FolderBackend
-from torpor.core.store.repository import Prestored, Repository
+from torpor.adapters.folder import FolderBackend
+from torpor.core.store.backend import Backend
+from torpor.core.store.prestore import Prestored
+from torpor.core.store.repository import Repository
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
 
 from .conftest import drop_chunk, flip_chunk_bit, same_files, write_image
@@ -225,7 +227,7 @@ def test_gc_removes_the_temp_files_of_a_killed_writer_at_once_but_keeps_young_on
 def test_a_store_of_format_1_is_read_and_collected(backend: Backend, tmp_path: Path) -> None:
     import json
 
-    from torpor.core.store.repository import chunk_name
+    from torpor.core.store.format import chunk_name
 
     image = write_image(tmp_path / "img", {BASE: _random(2 * MiB)})
     Repository(backend).write("old", "job", image, {})

@@ -24,9 +24,10 @@ import pytest
 
 from conftest import Torpor
 from torpor.adapters.criu import Criu
+from torpor.adapters.folder import FolderBackend
 from torpor.adapters.imagestreamer import SOCKET_NAME, ImageStreamer, Writer
 from torpor.adapters.pipefeed import PipeFeed
-from torpor.core.store.backend import Backend, FolderBackend
+from torpor.core.store.backend import Backend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
 from torpor.core.store.repository import Repository

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store.backend import FolderBackend, open_backend
+from torpor.adapters.folder import FolderBackend
+from torpor.core.store.backend import open_backend
 from torpor.core.store.lock import EXCLUSIVE, SHARED, RepositoryLock
 from torpor.core.store.objects import read_key_file
 from torpor.core.store.pagemap import PAGE_SIZE, cuts, read_pagemaps

@@ -18,6 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torpor.adapters import system
+
+# CRIU's images are read in criuimage.py: the dump statistics for dump(), the rest re-exported here
+from torpor.adapters.criuimage import DumpStats as DumpStats
+from torpor.adapters.criuimage import OpenFile as OpenFile
+from torpor.adapters.criuimage import open_files as open_files
+from torpor.adapters.criuimage import read_dump_stats as read_dump_stats
+from torpor.adapters.criuimage import unix_socket_paths as unix_socket_paths
 from torpor.errors import (
     CheckpointFailed,
     CriuUnavailable,
@@ -42,28 +49,6 @@ DUMP_ATTEMPTS = 3
 # Lines CRIU prints on every run here that explain nothing (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
 _NOISE = re.compile(r"RLIMIT_NOFILE")
 _ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
-
-
-@dataclass(frozen=True)
-class DumpStats:
-    """What CRIU measured during a dump (from its ``stats-dump`` image), in seconds and pages."""
-
-    freezing_s: float
-    frozen_s: float
-    memdump_s: float
-    memwrite_s: float
-    pages_written: int
-
-
-@dataclass(frozen=True)
-class OpenFile:
-    """A regular file the dumped tree had open, as recorded in ``files.img``."""
-
-    path: str
-    writable: bool
-    size: int | None  # CRIU checks this size on restore; None when it does not (e.g. O_APPEND logs)
-    append: bool = False  # opened with O_APPEND
-    pos: int = 0  # the descriptor's file offset at the dump (for O_APPEND: the end at its last write)
 
 
 @dataclass(frozen=True)
@@ -439,133 +424,3 @@ class Criu:
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as exc:
             raise RestoreFailed(f"criu restore wrote no pid to {pidfile}") from exc
-
-
-# -- the stats-dump image ---------------------------------------------------------------------------
-#
-# A CRIU image is: u32 magic, u32 image magic, then records of u32 size + protobuf message. We read the
-# one StatsEntry by hand rather than depend on CRIU's Python bindings (not packaged for this setup).
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: bytes) -> dict[int, int | bytes]:
-    """Decode one protobuf message into {field number: value} (last value wins; enough for stats)."""
-    out: dict[int, int | bytes] = {}
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            out[number], pos = _varint(buf, pos)
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            out[number] = buf[pos : pos + length]
-            pos += length
-        elif wire == 1:
-            out[number] = int.from_bytes(buf[pos : pos + 8], "little")
-            pos += 8
-        elif wire == 5:
-            out[number] = int.from_bytes(buf[pos : pos + 4], "little")
-            pos += 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-    return out
-
-
-def _records(raw: bytes, header: int = 8) -> list[bytes]:
-    """The protobuf records of an image (after its magic words)."""
-    out = []
-    pos = header
-    while pos + 4 <= len(raw):
-        size = int.from_bytes(raw[pos : pos + 4], "little")
-        out.append(raw[pos + 4 : pos + 4 + size])
-        pos += 4 + size
-    return out
-
-
-_FD_TYPE_REG = 1
-_FD_TYPE_UNIXSK = 5
-_O_ACCMODE = 3
-_O_APPEND = 0o2000
-
-
-def _file_entries(images_dir: Path) -> list[dict[int, int | bytes]]:
-    try:
-        raw = (images_dir / "files.img").read_bytes()
-    except OSError:
-        return []
-    return [_fields(record) for record in _records(raw)]
-
-
-def unix_socket_paths(images_dir: Path) -> list[str]:
-    """Filesystem paths of the unix sockets the tree had bound (FileEntry.usk=16, UnixSkEntry.name=11)."""
-    paths = []
-    for entry in _file_entries(images_dir):
-        usk = entry.get(16)
-        if entry.get(1) != _FD_TYPE_UNIXSK or not isinstance(usk, bytes):
-            continue
-        name = _fields(usk).get(11)
-        if isinstance(name, bytes) and name.startswith(b"/"):
-            paths.append(name.rstrip(b"\0").decode(errors="surrogateescape"))
-    return paths
-
-
-def open_files(images_dir: Path) -> list[OpenFile]:
-    """Regular files in ``files.img``.
-
-    FileEntry{type=1, reg=3: RegFileEntry{flags=2, pos=3, name=6, size=8}}.
-    """
-    found = []
-    for entry in _file_entries(images_dir):
-        reg = entry.get(3)
-        if entry.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
-            continue
-        fields = _fields(reg)
-        name, flags, size, pos = fields.get(6), fields.get(2, 0), fields.get(8), fields.get(3, 0)
-        if not isinstance(name, bytes) or not isinstance(flags, int):
-            continue
-        found.append(
-            OpenFile(
-                path=name.decode(errors="surrogateescape"),
-                writable=(flags & _O_ACCMODE) != 0,
-                size=size if isinstance(size, int) else None,
-                append=bool(flags & _O_APPEND),
-                pos=pos if isinstance(pos, int) else 0,
-            )
-        )
-    return found
-
-
-def read_dump_stats(images_dir: Path) -> DumpStats:
-    """Parse ``stats-dump``; zeros when CRIU wrote none (never fail a good dump over statistics)."""
-    try:
-        raw = (images_dir / "stats-dump").read_bytes()
-        size = int.from_bytes(raw[8:12], "little")
-        entry = _fields(raw[12 : 12 + size])
-        dump = entry.get(1)
-        fields = _fields(dump) if isinstance(dump, bytes) else {}
-    except (OSError, ValueError, IndexError):
-        fields = {}
-
-    def usec(number: int) -> float:
-        value = fields.get(number, 0)
-        return value / 1e6 if isinstance(value, int) else 0.0
-
-    pages = fields.get(7, 0)
-    return DumpStats(
-        freezing_s=usec(1),
-        frozen_s=usec(2),
-        memdump_s=usec(3),
-        memwrite_s=usec(4),
-        pages_written=pages if isinstance(pages, int) else 0,
-    )

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from torpor.adapters.criu import _fields
+from torpor.adapters.criuimage import fields
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class ImageStreamer:
         if body is None:
             return None
         try:
-            name = _fields(body).get(1)  # img_streamer_request_entry.filename
+            name = fields(body).get(1)  # img_streamer_request_entry.filename
         except (ValueError, IndexError):
             return None  # not a request: end the session (CRIU then fails)
         return name.decode(errors="surrogateescape") if isinstance(name, bytes) else None

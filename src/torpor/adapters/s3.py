@@ -8,13 +8,14 @@ boto3's usual chain (``AWS_ACCESS_KEY_ID``…, ``~/.aws``, instance roles).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import boto3
 import botocore.config
 import botocore.exceptions
 
+from torpor.adapters.objectstore import check_name
 from torpor.errors import ObjectNotFound, StorageFull, StoreError
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
@@ -22,6 +23,8 @@ _FULL = {"QuotaExceeded", "XMinioStorageFull", "EntityTooLarge", "InsufficientSt
 
 
 class S3Backend:
+    """Objects as keys under ``prefix`` in ``bucket``: one PUT per object, ranged GETs for parts of one."""
+
     remote = True
 
     def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, workers: int = 8) -> None:
@@ -42,10 +45,7 @@ class S3Backend:
             raise StoreError(f"cannot set up S3 access to {self.url}: {exc}") from exc
 
     def _key(self, name: str) -> str:
-        parts = name.split("/")
-        if not name or any(not part or part in (".", "..") or part.startswith(".") for part in parts):
-            raise ValueError(f"bad object name {name!r}")
-        return self.prefix + name
+        return self.prefix + check_name(name)
 
     def _error(self, exc: Exception, what: str) -> StoreError:
         if isinstance(exc, botocore.exceptions.ClientError):
@@ -143,6 +143,10 @@ class S3Backend:
 
     def sync(self) -> None:
         return None
+
+    def remove_leftovers(self, min_age_s: float = 3600.0, idle: Collection[str] = ()) -> int:
+        """Nothing to remove: a PUT that did not complete leaves no object behind."""
+        return 0
 
     def close(self) -> None:
         self.client.close()

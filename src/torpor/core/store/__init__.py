@@ -3,13 +3,22 @@
 The engine hands the store a complete image folder and later asks for a verified copy back; it never
 knows how images are kept. Modules, bottom up (one activity each, as in borg/borgstore)::
 
+    base.py         the ImageStore contract, image states
     config.py       the state directory's store configuration: cold tier, key, retention
-    backend.py      named immutable objects on a folder (here) or S3 (adapters/s3.py)
+    backend.py      the Backend protocol; a folder (adapters/folder.py) or S3 (adapters/s3.py) by URL
     objects.py      the envelope of a stored object: hash, zstd, AES-GCM
     pagemap.py      where CRIU's pages lie in the address space, for chunking
     manifest.py     one checkpoint: files as lists of chunks
     lock.py         writers vs gc, across nodes
-    repository.py   the cold tier: chunk, dedupe, store, verify, gc
+    format.py       the cold tier's config object: format version, chunk size, key check
+    chunking.py     cutting an image into chunks
+    packs.py        packs, indexes, where each chunk lies
+    writing.py      the write path of the cold tier
+    prestore.py     storing a dump while CRIU writes it; precopy
+    reading.py      reading a checkpoint back
+    verify.py       bytes read back against their hashes
+    gc.py           removing what no checkpoint names
+    repository.py   the cold tier: a facade over the eight above
     hot.py          the hot tier in RAM
     destager.py     the background process between the two
     lazy.py         a checkpoint's memory served page by page, for lazy restores
@@ -24,6 +33,7 @@ from torpor.core.store.base import (
     STAGED,
     Check,
     GcResult,
+    ImageState,
     ImageStore,
     PageSource,
     PageStream,
@@ -40,6 +50,7 @@ __all__ = [
     "STAGED",
     "Check",
     "GcResult",
+    "ImageState",
     "ImageStore",
     "PageSource",
     "PageStream",

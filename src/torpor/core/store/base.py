@@ -4,18 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torpor.core.store.config import StoreConfig
 
-#: a checkpoint's image is in the hot tier only, waiting for the destager
-STAGED = "staged"
-#: the destager is copying it into the cold tier
-DESTAGING = "destaging"
-#: its manifest is in the cold tier: it survives the machine
-DURABLE = "durable"
+
+class ImageState(StrEnum):
+    """Where a checkpoint's image is on its way to the cold tier (each value is what is written down)."""
+
+    #: a checkpoint's image is in the hot tier only, waiting for the destager
+    STAGED = "staged"
+    #: the destager is copying it into the cold tier
+    DESTAGING = "destaging"
+    #: its manifest is in the cold tier: it survives the machine
+    DURABLE = "durable"
+
+
+STAGED = ImageState.STAGED
+DESTAGING = ImageState.DESTAGING
+DURABLE = ImageState.DURABLE
 
 
 #: verifies what :meth:`ImageStore.fetch` left unverified; raises CorruptImage
@@ -57,6 +67,7 @@ class StoredImage:
     job: str
     size_bytes: int  # bytes of the CRIU image as dumped (logical size)
     stored_bytes: int  # bytes the store spent on it (new chunks); 0 until it is durable
+    #: an :class:`ImageState`, or a word for a state that could not be read (e.g. ``unknown``)
     state: str = DURABLE
     #: how far destaging got, 0..1 (``None`` when not destaging)
     progress: float | None = None
@@ -67,7 +78,7 @@ class StoredImage:
 
     @property
     def state_text(self) -> str:
-        if self.state not in (STAGED, DESTAGING, DURABLE):
+        if self.state not in tuple(ImageState):
             return self.state
         if self.state == DESTAGING and self.progress is not None:
             return f"destaging {self.progress * 100:.0f}%"

@@ -7,7 +7,7 @@ marked present hold their pages in the pages file, one after the other, in entry
 this to cut memory along virtual addresses instead of file offsets, so an unchanged memory region yields
 the same chunks even when the regions before it grew, shrank or moved in the file.
 
-Only the few fields the store needs are read, with the protobuf reader of :mod:`torpor.adapters.criu`.
+Only the few fields the store needs are read, with CRIU's image reader (:mod:`torpor.adapters.criuimage`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.adapters.criu import _fields
+from torpor.adapters.criuimage import fields, records
 
 PAGE_SIZE = 4096
 
@@ -51,40 +51,22 @@ class Pagemap:
         return sum(run.nr_pages for run in self.runs) * PAGE_SIZE
 
 
-def _records(raw: bytes, partial: bool = False) -> list[bytes]:
-    """The protobuf messages of a CRIU image: two u32 magics, then (u32 size, message) records.
-
-    ``partial``: the image is still being written; a record cut short at the end is left out.
-    """
-    pos, out = 8, []
-    while pos + 4 <= len(raw):
-        size = int.from_bytes(raw[pos : pos + 4], "little")
-        pos += 4
-        if pos + size > len(raw):
-            if partial:
-                break
-            raise ValueError("truncated record")
-        out.append(raw[pos : pos + size])
-        pos += size
-    return out
-
-
 def read_pagemap(path: Path, partial: bool = False) -> Pagemap:
     """Parse one ``pagemap-*.img``; raises ValueError if it is not one we understand.
 
     ``partial``: CRIU is still writing it (it flushes whole entries, a few KiB at a time); the entries
     written so far.
     """
-    records = _records(path.read_bytes(), partial)
-    if not records:
+    messages = records(path.read_bytes(), partial)
+    if not messages:
         raise ValueError(f"{path.name} has no pagemap head")
-    head = _fields(records[0])
+    head = fields(messages[0])
     pages_id = head.get(1)
     if not isinstance(pages_id, int):
         raise ValueError(f"{path.name} has no pages_id")
     runs, offset = [], 0
-    for record in records[1:]:
-        entry = _fields(record)
+    for record in messages[1:]:
+        entry = fields(record)
         vaddr, nr_pages, flags = entry.get(1), entry.get(5, entry.get(2)), entry.get(4)
         if not isinstance(vaddr, int) or not isinstance(nr_pages, int):
             raise ValueError(f"{path.name} has an entry without vaddr or nr_pages")

@@ -45,7 +45,8 @@ from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, ti
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
-from torpor.core.store.repository import Repository, verify_extents
+from torpor.core.store.repository import Repository
+from torpor.core.store.verify import verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError, TorporError
 from torpor.settings import Settings
 

@@ -1,0 +1,173 @@
+"""Reading CRIU's image files: the records and protobuf fields of the few images torpor looks into.
+
+A CRIU image is two u32 magics, then records of a u32 size and one protobuf message. torpor reads the
+handful of fields it needs by hand (CRIU's Python bindings are not packaged for this setup): the open
+files and bound unix sockets of ``files.img`` (for the engine's checks before a restore), the timings
+of ``stats-dump``, and what :mod:`torpor.core.store.pagemap` and :mod:`torpor.adapters.imagestreamer`
+decode themselves with :func:`fields` and :func:`records`. Running CRIU is :mod:`torpor.adapters.criu`'s
+job; this module only reads what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+_FD_TYPE_REG = 1
+_FD_TYPE_UNIXSK = 5
+_O_ACCMODE = 3
+_O_APPEND = 0o2000
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """What CRIU measured during a dump (from its ``stats-dump`` image), in seconds and pages."""
+
+    freezing_s: float
+    frozen_s: float
+    memdump_s: float
+    memwrite_s: float
+    pages_written: int
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    """A regular file the dumped tree had open, as recorded in ``files.img``."""
+
+    path: str
+    writable: bool
+    size: int | None  # CRIU checks this size on restore; None when it does not (e.g. O_APPEND logs)
+    append: bool = False  # opened with O_APPEND
+    pos: int = 0  # the descriptor's file offset at the dump (for O_APPEND: the end at its last write)
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def fields(buf: bytes) -> dict[int, int | bytes]:
+    """Decode one protobuf message into {field number: value} (last value wins; enough for our needs)."""
+    out: dict[int, int | bytes] = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            out[number], pos = _varint(buf, pos)
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            out[number] = buf[pos : pos + length]
+            pos += length
+        elif wire == 1:
+            out[number] = int.from_bytes(buf[pos : pos + 8], "little")
+            pos += 8
+        elif wire == 5:
+            out[number] = int.from_bytes(buf[pos : pos + 4], "little")
+            pos += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+    return out
+
+
+def records(raw: bytes, partial: bool = False) -> list[bytes]:
+    """The protobuf messages of a CRIU image: two u32 magics, then (u32 size, message) records.
+
+    A record cut short at the end raises ValueError, unless ``partial`` (the image is still being
+    written, or is read as far as it goes): then it is left out.
+    """
+    pos, out = 8, []
+    while pos + 4 <= len(raw):
+        size = int.from_bytes(raw[pos : pos + 4], "little")
+        pos += 4
+        if pos + size > len(raw):
+            if partial:
+                break
+            raise ValueError("truncated record")
+        out.append(raw[pos : pos + size])
+        pos += size
+    return out
+
+
+def file_entries(images_dir: Path) -> list[dict[int, int | bytes]]:
+    """The FileEntry messages of ``files.img`` (none when it is missing), as far as it goes."""
+    try:
+        raw = (images_dir / "files.img").read_bytes()
+    except OSError:
+        return []
+    return [fields(record) for record in records(raw, partial=True)]
+
+
+def unix_socket_paths(images_dir: Path) -> list[str]:
+    """Filesystem paths of the unix sockets the tree had bound (FileEntry.usk=16, UnixSkEntry.name=11)."""
+    paths = []
+    for entry in file_entries(images_dir):
+        usk = entry.get(16)
+        if entry.get(1) != _FD_TYPE_UNIXSK or not isinstance(usk, bytes):
+            continue
+        name = fields(usk).get(11)
+        if isinstance(name, bytes) and name.startswith(b"/"):
+            paths.append(name.rstrip(b"\0").decode(errors="surrogateescape"))
+    return paths
+
+
+def open_files(images_dir: Path) -> list[OpenFile]:
+    """Regular files in ``files.img``.
+
+    FileEntry{type=1, reg=3: RegFileEntry{flags=2, pos=3, name=6, size=8}}.
+    """
+    found = []
+    for entry in file_entries(images_dir):
+        reg = entry.get(3)
+        if entry.get(1) != _FD_TYPE_REG or not isinstance(reg, bytes):
+            continue
+        reg_fields = fields(reg)
+        name, flags, size, pos = (
+            reg_fields.get(6),
+            reg_fields.get(2, 0),
+            reg_fields.get(8),
+            reg_fields.get(3, 0),
+        )
+        if not isinstance(name, bytes) or not isinstance(flags, int):
+            continue
+        found.append(
+            OpenFile(
+                path=name.decode(errors="surrogateescape"),
+                writable=(flags & _O_ACCMODE) != 0,
+                size=size if isinstance(size, int) else None,
+                append=bool(flags & _O_APPEND),
+                pos=pos if isinstance(pos, int) else 0,
+            )
+        )
+    return found
+
+
+def read_dump_stats(images_dir: Path) -> DumpStats:
+    """Parse ``stats-dump``; zeros when CRIU wrote none (never fail a good dump over statistics)."""
+    try:
+        raw = (images_dir / "stats-dump").read_bytes()
+        size = int.from_bytes(raw[8:12], "little")
+        entry = fields(raw[12 : 12 + size])
+        dump = entry.get(1)
+        stats = fields(dump) if isinstance(dump, bytes) else {}
+    except (OSError, ValueError, IndexError):
+        stats = {}
+
+    def usec(number: int) -> float:
+        value = stats.get(number, 0)
+        return value / 1e6 if isinstance(value, int) else 0.0
+
+    pages = stats.get(7, 0)
+    return DumpStats(
+        freezing_s=usec(1),
+        frozen_s=usec(2),
+        memdump_s=usec(3),
+        memwrite_s=usec(4),
+        pages_written=pages if isinstance(pages, int) else 0,
+    )
