@@ -27,6 +27,7 @@ from torpor.core.store.base import (
     ImageStore,
     PageSource,
     PageStream,
+    RestoreSource,
     StoredImage,
 )
 from torpor.core.store.config import StoreConfig
@@ -43,6 +44,7 @@ __all__ = [
     "ImageStore",
     "PageSource",
     "PageStream",
+    "RestoreSource",
     "StoreConfig",
     "StoredImage",
     "TieredStore",
