@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from torpor.adapters import system
 from torpor.adapters.criu import Criu, DumpStats, log_excerpt
@@ -155,16 +155,8 @@ def checkpoint_in_launcher(
     return CheckpointReply(checkpoint, not_durable)
 
 
-def dump(
-    criu: Criu,
-    pid: int,
-    images_dir: Path,
-    log_path: Path,
-    *,
-    leave_running: bool,
-    extra: tuple[str, ...] = (),
-) -> DumpStats:
-    """``criu dump`` of the tree rooted at ``pid``, tried again as long as :mod:`torpor.policy.retry` says.
+def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any) -> DumpStats:
+    """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
 
     A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
     of an epoch) is tried again, a few times, from an empty folder.
@@ -172,7 +164,7 @@ def dump(
     attempt = 1
     while True:
         try:
-            return criu.dump(pid, images_dir, log_path, leave_running=leave_running, extra=extra)
+            return criu.dump(pid, images_dir, log_path, **options)
         except (CheckpointFailed, StorageFull):
             decision = retry.after_failed_dump(attempt, log_excerpt(log_path))
             if not decision.again:

@@ -67,6 +67,12 @@ class JobStatus:
 
 
 class Engine:
+    """The operations a user asks for, on one state directory; the CLI, Slurm and the demo drive it.
+
+    Names come as the user typed them (``str``) and are looked up in the records first; from there on
+    they are the record's :data:`~torpor.core.records.JobName`.
+    """
+
     def __init__(
         self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
     ) -> None:
