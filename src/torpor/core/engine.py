@@ -145,7 +145,7 @@ class Engine:
 
     # -- the image store -------------------------------------------------------------------------------
 
-    def image_states(self, checkpoints: list[Checkpoint]) -> dict[str, StoredImage | None]:
+    def image_states(self, checkpoints: list[Checkpoint]) -> dict[CheckpointId, StoredImage | None]:
         """Where each checkpoint's image is (staged, destaging, durable); ``None``: its image is gone.
 
         A store that cannot be read (e.g. S3 unreachable) gives state ``unknown`` with the error.
@@ -154,7 +154,7 @@ class Engine:
             pinned = self.ctx.store.pinned()
         except TorporError:
             pinned = set()
-        states: dict[str, StoredImage | None] = {}
+        states: dict[CheckpointId, StoredImage | None] = {}
         for checkpoint in checkpoints:
             try:
                 image = self.ctx.store.state(checkpoint.id)
@@ -168,7 +168,7 @@ class Engine:
             states[checkpoint.id] = replace(image, pinned=checkpoint.id in pinned)
         return states
 
-    def wait_durable(self, checkpoint_id: str, progress: Progress = quiet) -> StoredImage:
+    def wait_durable(self, checkpoint_id: CheckpointId, progress: Progress = quiet) -> StoredImage:
         """Return once the checkpoint's image is in the cold tier; raises the destager's error."""
         shown = [""]
 
