@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TORPOR, Torpor, python_job
-from torpor.core.engine import Context
+from torpor.core.context import Context
 from torpor.errors import UnsafePath
 from torpor.settings import Settings
 

@@ -14,8 +14,9 @@ import pytest
 from conftest import TORPOR
 from torpor.adapters import criu
 from torpor.apps import cli
-from torpor.core.engine import written_sizes
+from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
+from torpor.core.restore import written_sizes
 from torpor.errors import (
     CheckpointFailed,
     CheckpointNotFound,
@@ -25,6 +26,7 @@ from torpor.errors import (
     WrongState,
     from_dict,
 )
+from torpor.policy import retry
 
 # -- records ------------------------------------------------------------------------------------------
 
@@ -257,7 +259,7 @@ echo "(00.1) Dumping finished successfully" > "$log"
     ("error", "fails", "attempts", "ok"),
     [
         ("Zombies with threads are not supported", 1, 2, True),  # a DataLoader worker exiting
-        ("Zombies with threads are not supported", 9, criu.DUMP_ATTEMPTS, False),
+        ("Zombies with threads are not supported", 9, retry.DUMP_ATTEMPTS, False),
         ("Can't dump a process with an unsupported file", 1, 1, False),  # not passing: no retry
     ],
 )
@@ -274,9 +276,9 @@ def test_a_dump_that_met_an_exiting_process_is_tried_again(
     (images / ".owner").write_text("1")
     dump = criu.Criu(fake)
     if ok:
-        dump.dump(os.getpid(), images, tmp_path / "dump.log", leave_running=True)
+        checkpointing.dump(dump, os.getpid(), images, tmp_path / "dump.log", leave_running=True)
     else:
         with pytest.raises(CheckpointFailed, match="criu dump failed"):
-            dump.dump(os.getpid(), images, tmp_path / "dump.log", leave_running=True)
+            checkpointing.dump(dump, os.getpid(), images, tmp_path / "dump.log", leave_running=True)
     assert (tmp_path / "attempts").read_text().count("x") == attempts
     assert (images / ".owner").exists()  # torpor's own files survive a retry

@@ -9,7 +9,8 @@
     │   └── WrongState               e.g. checkpoint a hibernated job, resume a running one
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
-    │   └── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
+    │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
+    │   └── JobStartFailed           the job could not be started: no PID namespace, its command won't exec
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
@@ -20,6 +21,7 @@
     │   ├── KeyProblem               encryption key missing, unreadable or not the store's key
     │   └── StoreBusy                the store stayed locked by others (e.g. gc during writes)
     └── LauncherUnreachable (7)      the job's launcher does not answer on its socket
+        └── LauncherFailed           a new launcher died before it reported (its log's last lines say why)
 
 Errors that reveal a bug in torpor are *not* TorporErrors, so no handler swallows them.
 """
@@ -70,6 +72,10 @@ class UnsafePath(EnvironmentProblem):
     """A place torpor would keep images or state in could be read or changed by someone else."""
 
 
+class JobStartFailed(EnvironmentProblem):
+    """The launcher could not start the job: creating its PID namespace failed, or its command would not run."""
+
+
 class CheckpointFailed(TorporError):
     exit_code = 4
 
@@ -110,6 +116,10 @@ class LauncherUnreachable(TorporError):
     exit_code = 7
 
 
+class LauncherFailed(LauncherUnreachable):
+    """A launcher died before reporting that it started (or restored) the job."""
+
+
 _BY_NAME: dict[str, type[TorporError]] = {
     cls.__name__: cls
     for cls in (
@@ -121,6 +131,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         EnvironmentProblem,
         CriuUnavailable,
         UnsafePath,
+        JobStartFailed,
         CheckpointFailed,
         JobExited,
         RestoreFailed,
@@ -131,6 +142,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         KeyProblem,
         StoreBusy,
         LauncherUnreachable,
+        LauncherFailed,
     )
 }
 

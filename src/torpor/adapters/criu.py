@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -41,10 +40,6 @@ COMMON_OPTIONS: tuple[str, ...] = ("--tcp-established", "--file-locks")
 DUMP_OPTIONS: tuple[str, ...] = ("--network-lock", "nftables")
 #: deleted files still open or mapped (e.g. DataLoader shared memory in /dev/shm) are kept up to this size
 GHOST_LIMIT = "1G"
-
-#: a dump that failed with one of these met a process of the tree while it was exiting: try again
-PASSING_DUMP_ERRORS: tuple[str, ...] = ("Zombies with threads are not supported",)
-DUMP_ATTEMPTS = 3
 
 # Lines CRIU prints on every run here that explain nothing (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
 _NOISE = re.compile(r"RLIMIT_NOFILE")
@@ -283,26 +278,14 @@ class Criu:
         leave_running: bool,
         extra: tuple[str, ...] = (),
     ) -> DumpStats:
-        """Dump the process tree rooted at ``pid`` into ``images_dir``.
+        """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt.
 
-        CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1). A dump
-        that met a process of the tree in the middle of exiting (:data:`PASSING_DUMP_ERRORS`, e.g. a
-        DataLoader worker at the end of an epoch) is tried again, a few times, from an empty folder.
+        CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1). Whether a
+        failed dump is tried again is the caller's to decide (:func:`torpor.core.checkpoint.dump`).
         """
         self.require()
         args = self.dump_command(pid, images_dir, log_path, leave_running=leave_running, extra=extra)[1:]
-        for attempt in range(1, DUMP_ATTEMPTS + 1):
-            out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
-            if out.returncode == 0 or attempt == DUMP_ATTEMPTS:
-                break
-            if not any(marker in line for line in log_excerpt(log_path) for marker in PASSING_DUMP_ERRORS):
-                break
-            for entry in images_dir.iterdir():  # what the failed attempt wrote (torpor's dot files stay)
-                if entry.is_dir() and not entry.name.startswith("."):
-                    shutil.rmtree(entry)
-                elif not entry.name.startswith("."):
-                    entry.unlink()
-            time.sleep(0.1 * attempt)
+        out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             text = "\n".join(details)

@@ -21,7 +21,7 @@ from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu
 from torpor.apps import slurm
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import Checkpoint
+from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.core.store import config as store_config
 from torpor.errors import TorporError, UsageError
 from torpor.settings import Settings
@@ -104,7 +104,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     for status in statuses:
         job = status.job
         state = str(job.state)
-        if job.exit_code is not None and job.state in ("exited", "failed"):
+        if job.exit_code is not None and job.state in (JobState.EXITED, JobState.FAILED):
             state += f" ({job.exit_code})"
         last = status.last_checkpoint
         rows.append(
@@ -120,7 +120,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     print(table(["NAME", "STATE", "PID", "RSS", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
     # why a job failed is worth a line of its own (an exit code says it for exited jobs)
     reasons = [
-        f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == "failed" and s.job.message
+        f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == JobState.FAILED and s.job.message
     ]
     if reasons:
         print()
@@ -148,12 +148,7 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
                 continue
-            if engine.status(args.name).job.state not in (
-                "starting",
-                "running",
-                "checkpointing",
-                "restoring",
-            ):
+            if engine.status(args.name).job.state not in SUPERVISED_STATES:
                 break
             time.sleep(0.2)
     return 0

@@ -1,7 +1,11 @@
 """The launcher's control protocol: one JSON request per connection, answered by JSON lines.
 
 Every line but the last is progress (``{"progress": "..."}``); the last has ``"ok"`` and either the result
-or a serialised :class:`~torpor.errors.TorporError`.
+or a serialised :class:`~torpor.errors.TorporError`. The requests and replies are the frozen dataclasses
+below, and this module alone turns them into JSON and back, for both ends: the CLI's (:func:`status`,
+:func:`checkpoint`, :func:`wait_lazy`) and the launcher's (:func:`parse_request`, :func:`ok`,
+:func:`failed`, :func:`progress`). What a request does is the launcher's
+(:mod:`torpor.core.launcher.server`).
 """
 
 from __future__ import annotations
@@ -9,25 +13,128 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import LauncherUnreachable, from_dict
+from torpor.core.records import Checkpoint, CheckpointKind
+from torpor.errors import LauncherUnreachable, TorporError, UsageError, from_dict
+
+Progress = Callable[[str], None]
 
 
-def call(
+@dataclass(frozen=True)
+class StatusRequest:
+    """Is the job alive: its pid and the launcher's."""
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """Checkpoint the job, or hibernate it (the dump stops it)."""
+
+    hibernate: bool
+
+
+@dataclass(frozen=True)
+class WaitLazyRequest:
+    """After a lazy restore: answer once all of the job's memory is in."""
+
+
+Request = StatusRequest | CheckpointRequest | WaitLazyRequest
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    pid: int | None
+    launcher_pid: int
+
+
+@dataclass(frozen=True)
+class CheckpointReply:
+    checkpoint: Checkpoint
+    #: why the image is only in RAM (the cold tier cannot take it now); None when all is well
+    not_durable: str | None
+
+
+@dataclass(frozen=True)
+class WaitLazyReply:
+    #: why torpor killed the job (a damaged chunk met while its memory came in); None if it was not
+    killed: str | None
+
+
+Reply = StatusReply | CheckpointReply | WaitLazyReply
+
+
+# -- to JSON and back ------------------------------------------------------------------------------
+
+
+def request_to_json(request: Request) -> dict[str, Any]:
+    if isinstance(request, CheckpointRequest):
+        return {"op": "checkpoint", "hibernate": request.hibernate}
+    return {"op": "status" if isinstance(request, StatusRequest) else "wait_lazy"}
+
+
+def parse_request(data: dict[str, Any]) -> Request:
+    """The request a client sent; UsageError for one this launcher does not know."""
+    op = data.get("op")
+    if op == "status":
+        return StatusRequest()
+    if op == "checkpoint":
+        return CheckpointRequest(hibernate=bool(data.get("hibernate")))
+    if op == "wait_lazy":
+        return WaitLazyRequest()
+    raise UsageError(f"unknown request {op!r}")
+
+
+def reply_to_json(reply: Reply) -> dict[str, Any]:
+    """The final line of a successful request."""
+    return {"ok": True, **asdict(reply)}
+
+
+def failed(exc: TorporError) -> dict[str, Any]:
+    """The final line of a failed request (rebuilt as the same error by the client)."""
+    return {"ok": False, **exc.to_dict()}
+
+
+def progress(text: str) -> dict[str, Any]:
+    return {"progress": text}
+
+
+def _checkpoint(data: dict[str, Any]) -> Checkpoint:
+    return Checkpoint(**{**data, "kind": CheckpointKind(data["kind"])})
+
+
+# -- the client's end --------------------------------------------------------------------------------
+
+
+def status(sock_path: Path, timeout: float | None = None) -> StatusReply:
+    reply = _call(sock_path, StatusRequest(), timeout=timeout)
+    return StatusReply(pid=reply.get("pid"), launcher_pid=int(reply["launcher_pid"]))
+
+
+def checkpoint(sock_path: Path, hibernate: bool, on_progress: Progress | None = None) -> CheckpointReply:
+    reply = _call(sock_path, CheckpointRequest(hibernate), on_progress)
+    return CheckpointReply(_checkpoint(reply["checkpoint"]), reply.get("not_durable"))
+
+
+def wait_lazy(sock_path: Path, on_progress: Progress | None = None) -> WaitLazyReply:
+    reply = _call(sock_path, WaitLazyRequest(), on_progress)
+    return WaitLazyReply(killed=reply.get("killed"))
+
+
+def _call(
     sock_path: Path,
-    message: dict[str, Any],
-    on_progress: Callable[[str], None] | None = None,
+    request: Request,
+    on_progress: Progress | None = None,
     timeout: float | None = None,
 ) -> dict[str, Any]:
-    """Send ``message`` to the launcher at ``sock_path``; return its final reply or raise its error."""
+    """Send ``request`` to the launcher at ``sock_path``; return its final reply or raise its error."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.settimeout(timeout)
     try:
         try:
             client.connect(str(sock_path))
-            client.sendall(json.dumps(message).encode() + b"\n")
+            client.sendall(json.dumps(request_to_json(request)).encode() + b"\n")
             reader = client.makefile("rb")
             for raw in reader:
                 reply = json.loads(raw)

@@ -1,522 +1,60 @@
-"""The engine: the order of operations of run, checkpoint, hibernate, restore, stop and remove.
+"""The engine: the operations the CLI drives — run, checkpoint, hibernate, restore, stop, remove, inspect.
 
-It owns the invariants of DESIGN.md. A checkpoint runs inside the job's launcher
-(:func:`checkpoint_in_launcher`); everything else runs in the calling process (the CLI) and talks to the
-launcher through :mod:`torpor.core.control`.
-
-Order of a checkpoint::
-
-    claim the job (running → checkpointing/hibernating)
-    GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
-    criu dump into the store's staging folder  (job frozen only here)
-    GPU stage: give the device back (if the job keeps running)
-    store.put (commit: the checkpoint becomes visible)
-    record the checkpoint; job → running / hibernated
-
-Any failure before the commit leaves the job running: CRIU resumes it, we SIGCONT anything left stopped,
-and a hibernation whose image cannot be committed is restored from its staging folder at once.
-
-Order of a restore: claim (hibernated/exited/failed → restoring), wait for the old processes to be gone,
-store.get into a fresh folder (every byte verified), start a launcher that runs ``criu restore`` and
-the GPU stage, job → running. On failure the job goes back to the state it had; the image stays.
+It owns the order of operations and the invariants of DESIGN.md from the caller's side: it claims the
+job's record, starts launchers (:mod:`torpor.core.launcher`) and asks them over the control socket
+(:mod:`torpor.core.control`). What runs inside a launcher is elsewhere: the checkpoint in
+:mod:`torpor.core.checkpoint`, ``criu restore`` in :mod:`torpor.core.restore`; the decisions (retention,
+the stop escalation, dump retries) are :mod:`torpor.policy`'s; where an image is read from is the
+store's (:meth:`~torpor.core.store.ImageStore.restore_source`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import select
 import shutil
-import signal
-import stat
-import subprocess
-import sys
-import threading
 import time
-import traceback
-import uuid
-from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, replace
-from functools import cached_property, partial
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu, OpenFile, RestoreGate, open_files, unix_socket_paths
-from torpor.adapters.imagestreamer import ImageStreamer
-from torpor.adapters.pageserver import PageServer
 from torpor.core import control
+from torpor.core.checkpoint import apply_retention
+from torpor.core.context import Context, Progress, quiet
+from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher, RestoreSpec
+from torpor.core.launcher.spawn import start_launcher
+from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.records import (
     LIVE_STATES,
     RESTORABLE_STATES,
+    SUPERVISED_STATES,
     Checkpoint,
     CheckpointId,
     Job,
     JobName,
     JobState,
-    Records,
 )
+from torpor.core.restore import prepare_world, release_gated, release_streamed
 from torpor.core.store import (
     DURABLE,
     Check,
     GcResult,
-    ImageStore,
-    PageSource,
     PageStream,
+    RestoreSource,
     StoreConfig,
     StoredImage,
     open_cold_tier,
-    open_store,
 )
 from torpor.core.store import config as store_config
 from torpor.errors import (
     CheckpointNotFound,
-    EnvironmentProblem,
-    JobExited,
     RestoreFailed,
-    StoreError,
     TorporError,
-    UnsafePath,
     UsageError,
     WrongState,
-    from_dict,
 )
+from torpor.policy import stop as stop_policy
 from torpor.settings import Settings
-
-if TYPE_CHECKING:
-    from torpor.core.launcher import Launcher
-
-Progress = Callable[[str], None]
-
-#: launchers started as new interpreters (by a caller with threads), reaped as later ones start
-_spawned: list[subprocess.Popen[bytes]] = []
-
-
-def _quiet(_: str) -> None:
-    return None
-
-
-class Context:
-    """What every operation needs, built from one :class:`Settings`.
-
-    It writes the state directory's store configuration from ``settings.store_env`` if there is none
-    yet, and refuses store variables that disagree with it unless ``check_store_env`` is off (for
-    ``torpor store``, which shows and changes it).
-    """
-
-    def __init__(
-        self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
-    ) -> None:
-        self.settings = settings
-        self.gpu: gpu.GpuStage = gpu_stage or gpu.NoGpuStage()
-        make_state_private(settings)
-        if not os.access(settings.home, os.W_OK):
-            raise EnvironmentProblem(
-                f"{settings.home} is not writable; fix its permissions or set TORPOR_HOME"
-            )
-        store_config.establish(settings.home, settings.store_env, check=check_store_env)
-        self.records = Records(settings.db_path)
-        self.store: ImageStore = open_store(settings)
-        #: in a launcher after a lazy restore: the ``criu lazy-pages`` still bringing memory in
-        self.lazy_pages: subprocess.Popen[bytes] | None = None
-        #: in a launcher: why torpor itself killed the job, for its record once it is gone
-        self.killed_because: str | None = None
-
-    @cached_property
-    def criu(self) -> Criu:
-        return Criu(self.settings.criu)
-
-    def restore_gate(self, verdict: Path, writer_pid: int) -> RestoreGate:
-        script = RestoreGate.install(self.settings.run_dir / "restore-gate.sh")
-        return RestoreGate(script, verdict, writer_pid)
-
-    def criu_log(self, job: str, action: str, checkpoint_id: str) -> Path:
-        folder = self.settings.job_dir(job) / "criu"
-        system.make_private_dirs(folder)
-        return folder / f"{action}-{checkpoint_id}.log"
-
-
-def make_state_private(settings: Settings) -> None:
-    """Create the state directory's folders 0700, and tighten what an older torpor left open to all.
-
-    Jobs' command lines, output and memory live here, so nobody but torpor's user may read any of it.
-    A folder or file of torpor's (``jobs``, ``run``, ``tmp``, ``images``, ``staging``, the database) owned
-    by this user loses its group and other bits; one owned by another user is refused: someone else made
-    it, maybe to read what torpor puts there. What lies deeper keeps its mode, unreachable by others
-    through these folders (opening every old image and log would cost each command a walk of the home).
-    The home itself is tightened only when it holds torpor's database: a home the user made for more
-    than torpor (or /tmp) is theirs to set.
-    """
-    problem = system.replaceable_by_others(settings.home)
-    if problem is not None:
-        raise UnsafePath(
-            f"the state directory {settings.home} is not safe: {problem}; set TORPOR_HOME to a folder "
-            "only torpor's user can change"
-        )
-    for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
-        try:
-            system.make_private_dirs(folder)
-        except OSError as exc:
-            raise EnvironmentProblem(
-                f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"
-            ) from exc
-    db = settings.db_path
-    ours = [settings.jobs_dir, settings.run_dir, settings.tmp_dir, settings.images_dir, settings.staging_dir]
-    ours += [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
-    if db.exists():
-        ours.append(settings.home)
-    uid = os.geteuid()
-    for path in ours:
-        try:
-            found = path.stat()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise EnvironmentProblem(
-                f"cannot look at {path} ({exc.strerror}); fix it or set TORPOR_HOME"
-            ) from exc
-        if found.st_uid != uid:
-            raise UnsafePath(
-                f"{path} is owned by uid {found.st_uid}, not by torpor's user (uid {uid}): another user may "
-                "have made it to read torpor's state; remove it or set TORPOR_HOME"
-            )
-        if found.st_mode & 0o077:
-            try:
-                path.chmod(stat.S_IMODE(found.st_mode) & 0o700)
-            except OSError as exc:
-                raise EnvironmentProblem(f"cannot make {path} private ({exc.strerror})") from exc
-
-
-# -- inside the launcher ---------------------------------------------------------------------------
-
-
-def checkpoint_in_launcher(
-    ctx: Context,
-    name: str,
-    pid: int,
-    hibernate: bool,
-    launcher: Launcher,
-    send: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
-    """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock.
-
-    Returns ``{"checkpoint": …, "not_durable": why or None}``: an image the cold tier cannot take now
-    stays in RAM only, and the caller is told why.
-    """
-
-    def progress(text: str) -> None:
-        send({"progress": text})
-
-    if ctx.lazy_pages is not None and ctx.lazy_pages.poll() is None:
-        # memory not yet copied in is absent from /proc/PID/pagemap: a dump now would silently lose it
-        progress("waiting for the lazy restore to bring in the rest of the job's memory")
-        ctx.lazy_pages.wait()
-    records = ctx.records
-    info = ctx.criu.require()
-    job = records.transition(
-        name, {JobState.RUNNING}, JobState.HIBERNATING if hibernate else JobState.CHECKPOINTING
-    )
-    parent = records.latest_checkpoint(name)
-    checkpoint_id = CheckpointId(uuid.uuid4().hex[:12])
-    started = time.monotonic()
-    pids = system.namespace_members(pid)
-    staging: Path | None = None
-    committed = False
-    try:
-        rss = system.rss_bytes(pids)
-        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
-        ctx.gpu.before_dump(pids)
-        progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
-        dump_started = time.monotonic()
-        try:
-            stats = ctx.criu.dump(
-                pid,
-                staging,
-                ctx.criu_log(name, "dump", checkpoint_id),
-                leave_running=not hibernate,
-                extra=ctx.settings.criu_extra,
-            )
-        finally:
-            if not hibernate:
-                ctx.gpu.after_dump(pids, leave_running=True)
-        dump_s = time.monotonic() - dump_started
-        freeze_s = stats.frozen_s or dump_s
-        progress(f"dumped in {dump_s:.2f} s (frozen {freeze_s:.2f} s); storing")
-        try:
-            stored = ctx.store.put(
-                checkpoint_id,
-                name,
-                staging,
-                {
-                    "kind": "hibernate" if hibernate else "checkpoint",
-                    "parent": parent.id if parent else job.restored_from,
-                    "criu_version": info.version,
-                    "command": job.command,
-                    "cwd": job.cwd,
-                    "freeze_s": freeze_s,
-                    "dump_s": dump_s,
-                },
-            )
-        except TorporError as exc:
-            if hibernate:
-                try:
-                    _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
-                except TorporError:
-                    staging = None  # the only copy of the job now: keep it for the user
-                    raise
-            raise
-        committed = True
-        not_durable = stored.error
-        total_s = time.monotonic() - started
-        checkpoint = Checkpoint(
-            id=checkpoint_id,
-            job=JobName(name),
-            kind="hibernate" if hibernate else "checkpoint",
-            created_at=time.time(),
-            freeze_s=freeze_s,
-            total_s=total_s,
-            size_bytes=stored.size_bytes,
-            criu_version=info.version,
-            parent=parent.id if parent else job.restored_from,
-        )
-        records.add_checkpoint(checkpoint)
-        apply_retention(ctx, name, progress)
-    except TorporError as exc:
-        if staging is not None and not committed:
-            ctx.store.discard(staging)
-        woken = system.resume_stopped(system.namespace_members(launcher.pid or pid))
-        alive = launcher.pid is not None and system.is_alive(launcher.pid)
-        if alive:
-            records.transition(name, {JobState.CHECKPOINTING, JobState.HIBERNATING}, JobState.RUNNING)
-            if woken:
-                exc.details.append(f"torpor resumed {len(woken)} process(es) left stopped")
-            exc.details.append("the job is still running")
-        elif not isinstance(exc, JobExited):
-            raise JobExited(
-                f"the job ended during its checkpoint: {exc.message}", details=exc.details
-            ) from exc
-        raise
-    if hibernate:
-        records.set_fields(name, pid=None, ended_at=time.time(), message=f"hibernated as {checkpoint_id}")
-        records.transition(name, {JobState.HIBERNATING}, JobState.HIBERNATED)
-    else:
-        records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
-    return {"checkpoint": asdict(checkpoint), "not_durable": not_durable}
-
-
-def apply_retention(ctx: Context, name: str, progress: Progress = _quiet) -> list[str]:
-    """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids."""
-    keep = ctx.store.config.keep_last  # the state directory's, as it is now
-    if keep <= 0:
-        return []
-    checkpoints = sorted(ctx.records.checkpoints(name), key=lambda c: c.created_at, reverse=True)
-    if len(checkpoints) <= keep:
-        return []
-    pinned = ctx.store.pinned()
-    removed: list[str] = []
-    for checkpoint in checkpoints[keep:]:
-        if checkpoint.id in pinned:
-            continue
-        ctx.store.delete(checkpoint.id)
-        ctx.records.delete_checkpoint(checkpoint.id)
-        removed.append(checkpoint.id)
-    if removed:
-        progress(f"retention (keep the last {keep}): deleted {len(removed)} older checkpoint(s)")
-    return removed
-
-
-def _restore_after_failed_hibernation(
-    ctx: Context, name: str, checkpoint_id: str, staging: Path, launcher: Launcher, cause: TorporError
-) -> None:
-    """The dump killed the job but its image could not be stored: bring the job back from the image."""
-    try:
-        pid = ctx.criu.restore(
-            staging,
-            ctx.criu_log(name, "rollback", checkpoint_id),
-            staging / "restored.pid",
-            extra=ctx.settings.criu_extra,
-        )
-    except TorporError as exc:
-        cause.details.append(f"restoring the job from its unsaved image failed too: {exc.message}")
-        cause.details.extend(exc.details)
-        cause.details.append(f"the unsaved image is kept in {staging}")
-        raise cause from exc
-    launcher.adopt(pid)
-
-
-def restore_into_launcher(
-    ctx: Context,
-    job: Job,
-    image_dir: Path,
-    checkpoint_id: str,
-    lazy: bool = False,
-    gate: RestoreGate | None = None,
-    served: bool = False,
-    stream: bool = False,
-) -> int:
-    """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
-
-    ``lazy``: the job starts before its memory is in; ``criu lazy-pages`` serves it from ``image_dir``,
-    or, when ``served``, from the store through torpor's page server (the store's ``page_source``);
-    ``image_dir`` is deleted once that daemon is done. ``gate``: the image's pages are still being
-    verified; CRIU restores the tree meanwhile and lets it run only on a good verdict. ``stream``: CRIU
-    reads every file from the image streamer the caller runs on ``image_dir`` (``criu restore --stream``).
-    """
-    daemon = None
-    server: PageServer | None = None
-    source: PageSource | None = None
-    restored = threading.Event()
-    root: list[int] = []
-
-    def kill_tree(exc: BaseException) -> None:
-        # memory the daemon can no longer get would read as zeros: the job must not run on
-        restored.wait(60)
-        message = exc.message if isinstance(exc, TorporError) else str(exc)
-        ctx.killed_because = f"lazy restore failed, the job was killed: {message}"
-        for pid in root:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    try:
-        if lazy:
-            log = ctx.criu_log(job.name, "lazy-pages", checkpoint_id)
-            if served:
-                source = ctx.store.page_source(checkpoint_id, image_dir)
-                server, criu_end = PageServer.pair(source.read_pages, on_failure=kill_tree)
-                server.start()
-                try:
-                    daemon = ctx.criu.start_lazy_pages(image_dir, log, page_server_fd=criu_end.fileno())
-                finally:
-                    criu_end.close()
-            else:
-                daemon = ctx.criu.start_lazy_pages(image_dir, log)
-        pid = ctx.criu.restore(
-            image_dir,
-            ctx.criu_log(job.name, "restore", checkpoint_id),
-            image_dir / "restored.pid",
-            extra=ctx.settings.criu_extra,
-            lazy=lazy,
-            gate=gate,
-            stream=stream,
-        )
-        root.append(pid)
-        restored.set()
-        ctx.gpu.after_restore(system.namespace_members(pid))
-    except BaseException:
-        restored.set()
-        if daemon is not None:
-            daemon.kill()
-            daemon.wait()
-        if server is not None:
-            server.stop()
-        if source is not None:
-            source.close()
-        shutil.rmtree(image_dir, ignore_errors=True)
-        raise
-    if daemon is None:
-        shutil.rmtree(image_dir, ignore_errors=True)
-    else:
-        lazy_daemon = ctx.lazy_pages = daemon
-
-        def clean_up() -> None:
-            lazy_daemon.wait()
-            if server is not None:
-                server.wait(10)
-                server.stop()
-            if source is not None:
-                source.close()
-            shutil.rmtree(image_dir, ignore_errors=True)
-
-        threading.Thread(target=clean_up, name="lazy-pages", daemon=True).start()
-    return pid
-
-
-def written_sizes(files: list[OpenFile]) -> dict[Path, tuple[int, bool]]:
-    """Each regular file the job had open for writing: (its size at the checkpoint, CRIU checks it).
-
-    CRIU records the size of a file open for writing, and refuses to restore when it changed ("bad
-    size") — except for files opened with O_APPEND (logs, CSV files), whose size it does not record.
-    For those, the offset of a descriptor that appended is where the file ended after its last write,
-    which is its size at the checkpoint when the job is its only writer; a descriptor that never wrote
-    (offset 0) says nothing.
-    """
-    checked: dict[Path, int] = {}
-    appended: dict[Path, int] = {}
-    for entry in files:
-        if not entry.writable:
-            continue
-        path = Path(entry.path if entry.path.startswith("/") else "/" + entry.path)
-        if entry.size is not None:
-            checked[path] = entry.size
-        elif entry.append and entry.pos > 0:
-            appended[path] = max(appended.get(path, 0), entry.pos)
-    sizes = {path: (size, False) for path, size in appended.items()}
-    sizes.update((path, (size, True)) for path, size in checked.items())
-    return sizes
-
-
-def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path] = ()) -> list[str]:
-    """Bring files the job had open for writing back to their size at the checkpoint.
-
-    That is the normal case after rolling back, or resuming a job that kept running after its
-    checkpoint: the job continues from the checkpoint and writes again what followed it. A file that
-    grew is cut back to its checkpoint size (see :func:`written_sizes`), and the bytes cut off are saved
-    under ``keep_dir``, so nothing is lost. A file CRIU checks that shrank cannot be made consistent:
-    that is an error. Files in ``keep`` (the job's own output log, a record of all that happened) are
-    left as they are.
-    """
-    rewound = []
-    for path, (size, checked) in written_sizes(open_files(image_dir)).items():
-        if path in keep:
-            continue
-        try:
-            current = path.lstat()
-        except FileNotFoundError:
-            continue  # CRIU explains a missing file itself
-        if stat.S_ISLNK(current.st_mode) or os.path.realpath(path) != str(path):
-            # CRIU recorded where the file really was: a link there now was put there since, maybe by
-            # someone who wants root to cut another file
-            raise RestoreFailed(
-                f"{path} is now reached through a symbolic link ({os.path.realpath(path)}); torpor does "
-                "not rewind a file through a link: put the job's file back at that path"
-            )
-        if not stat.S_ISREG(current.st_mode) or current.st_size == size:
-            continue
-        if current.st_size < size:
-            if not checked:
-                continue  # the job appends at the end wherever it is (e.g. after a log rotation)
-            raise RestoreFailed(
-                f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {size} "
-                "bytes): it was truncated or replaced, so the job cannot be restored consistently"
-            )
-        system.make_private_dirs(keep_dir)
-        saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{size}")
-        with open(system.open_private(path, os.O_RDWR | os.O_NOCTTY), "r+b") as handle:
-            handle.seek(size)
-            with os.fdopen(system.open_private(saved, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as out:
-                shutil.copyfileobj(handle, out)
-            handle.truncate(size)
-        rewound.append(str(path))
-    return rewound
-
-
-def recreate_socket_folders(image_dir: Path) -> list[str]:
-    """Create the missing folders of unix sockets the job had bound, so CRIU can bind them again.
-
-    A program that was killed (rather than hibernated) often removed them on its way out — Python's
-    multiprocessing deletes its ``/tmp/pymp-*`` folder — and CRIU cannot bind a socket in a missing folder.
-    """
-    created = []
-    for socket_path in unix_socket_paths(image_dir):
-        folder = Path(socket_path).parent
-        if not folder.exists():
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            created.append(str(folder))
-    return created
-
-
-# -- from the CLI ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -529,6 +67,12 @@ class JobStatus:
 
 
 class Engine:
+    """The operations a user asks for, on one state directory; the CLI, Slurm and the demo drive it.
+
+    Names come as the user typed them (``str``) and are looked up in the records first; from there on
+    they are the record's :data:`~torpor.core.records.JobName`.
+    """
+
     def __init__(
         self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
     ) -> None:
@@ -544,99 +88,23 @@ class Engine:
         if shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None) is None:
             raise UsageError(f"command not found: {command[0]}")
         if name is None:
-            name = self._free_name(_name_from_command(command))
-        _check_name(name)
-        job_dir = self.settings.job_dir(name)
+            name = free_name(name_from_command(command), {job.name for job in self.records.jobs()})
+        job_name = check_name(name)
+        job_dir = self.settings.job_dir(job_name)
         system.make_private_dirs(job_dir)
-        job = self.records.create_job(JobName(name), command, cwd, str(job_dir / "output.log"))
+        job = self.records.create_job(job_name, command, cwd, str(job_dir / "output.log"))
         try:
-            self._spawn_launcher({"mode": "start", "job": name})
+            self._start_launcher(job_name, LaunchMode.START).release()
         except TorporError:
-            if self.records.job(name).state == JobState.STARTING:
-                self.records.transition(name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
+            if self.records.job(job_name).state == JobState.STARTING:
+                self.records.transition(job_name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
             raise
         return self.records.job(job.name)
 
-    def _free_name(self, base: str) -> str:
-        taken = {job.name for job in self.records.jobs()}
-        base = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in base).strip(".-") or "job"
-        if base not in taken:
-            return base
-        n = 2
-        while f"{base}-{n}" in taken:
-            n += 1
-        return f"{base}-{n}"
-
-    def _spawn_launcher(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Start a detached launcher and wait for its one-line report (started / restored / failed)."""
-        return self._start_launcher(spec).release({})
-
-    def _start_launcher(self, spec: dict[str, Any]) -> PendingLauncher:
-        """Start a detached launcher that opens its state, then waits for :meth:`release`.
-
-        A restore starts it before fetching the image, so the launcher's start-up overlaps the fetch.
-        It is forked from this process, which has imported all it needs already; a caller with other
-        threads running gets a new interpreter instead (forking a threaded process can deadlock).
-        """
-        spec = {"settings_dict": self.settings.to_dict(), **spec}
-        log = self.settings.job_dir(spec["job"]) / "launcher.log"
-        ready_r, ready_w = os.pipe()
-        go_r, go_w = os.pipe()
-        life_r, life_w = os.pipe()  # the launcher holds life_w until it exits: EOF here says it did
-        try:
-            if threading.active_count() == 1:
-                self._fork_launcher(spec, log, ready_w, go_r, life_w)
-            else:
-                global _spawned
-                _spawned = [child for child in _spawned if child.poll() is None]  # reaps exited ones
-                with os.fdopen(
-                    system.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab"
-                ) as log_file:
-                    child = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "torpor.core.launcher",
-                            json.dumps(spec),
-                            str(ready_w),
-                            str(go_r),
-                            str(life_w),
-                        ],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        pass_fds=(ready_w, go_r, life_w),
-                        close_fds=True,
-                    )
-                _spawned.append(child)
-        except BaseException:
-            for fd in (ready_r, go_w, life_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (ready_w, go_r, life_w):
-                os.close(fd)
-        return PendingLauncher(str(spec["job"]), log, ready_r, go_w, life_r)
-
-    @staticmethod
-    def _fork_launcher(spec: dict[str, Any], log: Path, ready_w: int, go_r: int, life_w: int) -> None:
-        """Fork twice (the launcher is nobody's child here, so it never lingers as a zombie of ours)."""
-        from torpor.core import launcher as launcher_module
-
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        middle = os.fork()
-        if middle == 0:  # pragma: no cover - child side
-            code = 1
-            try:
-                os.setsid()
-                code = launcher_module.forked(spec, log, ready_w, go_r, life_w) if os.fork() == 0 else 0
-            except BaseException:
-                traceback.print_exc()  # into the launcher's log, once forked() redirected stderr
-            finally:
-                os._exit(code)
-        os.waitpid(middle, 0)
+    def _start_launcher(self, name: JobName, mode: LaunchMode) -> PendingLauncher:
+        """A detached launcher for job ``name``, waiting for :meth:`PendingLauncher.release`."""
+        spec = LaunchSpec(self.settings.to_dict(), name, mode)
+        return start_launcher(spec, self.settings.job_dir(name) / "launcher.log")
 
     # -- inspect ---------------------------------------------------------------------------------------
 
@@ -646,11 +114,7 @@ class Engine:
         Its processes may still run, unsupervised (the launcher was killed, not the job): the record
         keeps their pid, so that ``stop``, ``resume --force`` and ``rm --force`` can end them.
         """
-        if (
-            job.state in LIVE_STATES | {JobState.RESTORING}
-            and job.launcher_pid
-            and not system.is_alive(job.launcher_pid)
-        ):
+        if job.state in SUPERVISED_STATES and job.launcher_pid and not system.is_alive(job.launcher_pid):
             if _tree_alive(job):
                 message = (
                     f"its launcher died; its processes still run unsupervised (pid {job.pid}): "
@@ -669,7 +133,7 @@ class Engine:
         rss = None
         if job.pid and (job.state in LIVE_STATES or unsupervised(job)):
             rss = system.rss_bytes(system.namespace_members(job.pid))
-        return JobStatus(job, rss, self.records.latest_checkpoint(name))
+        return JobStatus(job, rss, self.records.latest_checkpoint(job.name))
 
     def statuses(self) -> list[JobStatus]:
         return [self.status(job.name) for job in self.records.jobs()]
@@ -681,7 +145,7 @@ class Engine:
 
     # -- the image store -------------------------------------------------------------------------------
 
-    def image_states(self, checkpoints: list[Checkpoint]) -> dict[str, StoredImage | None]:
+    def image_states(self, checkpoints: list[Checkpoint]) -> dict[CheckpointId, StoredImage | None]:
         """Where each checkpoint's image is (staged, destaging, durable); ``None``: its image is gone.
 
         A store that cannot be read (e.g. S3 unreachable) gives state ``unknown`` with the error.
@@ -690,7 +154,7 @@ class Engine:
             pinned = self.ctx.store.pinned()
         except TorporError:
             pinned = set()
-        states: dict[str, StoredImage | None] = {}
+        states: dict[CheckpointId, StoredImage | None] = {}
         for checkpoint in checkpoints:
             try:
                 image = self.ctx.store.state(checkpoint.id)
@@ -704,7 +168,7 @@ class Engine:
             states[checkpoint.id] = replace(image, pinned=checkpoint.id in pinned)
         return states
 
-    def wait_durable(self, checkpoint_id: str, progress: Progress = _quiet) -> StoredImage:
+    def wait_durable(self, checkpoint_id: CheckpointId, progress: Progress = quiet) -> StoredImage:
         """Return once the checkpoint's image is in the cold tier; raises the destager's error."""
         shown = [""]
 
@@ -767,9 +231,9 @@ class Engine:
         self.ctx.store.set_pinned(checkpoint.id, pinned)
         return checkpoint
 
-    def gc(self, progress: Progress = _quiet) -> tuple[list[str], GcResult]:
+    def gc(self, progress: Progress = quiet) -> tuple[list[CheckpointId], GcResult]:
         """Apply retention to every job, then delete the chunks no checkpoint needs any more."""
-        removed: list[str] = []
+        removed: list[CheckpointId] = []
         for job in self.records.jobs():
             removed.extend(apply_retention(self.ctx, job.name, progress))
         progress("collecting unreferenced chunks")
@@ -778,7 +242,7 @@ class Engine:
     # -- checkpoint and hibernate ---------------------------------------------------------------------
 
     def checkpoint(
-        self, name: str, hibernate: bool = False, progress: Progress = _quiet, warn: Progress = _quiet
+        self, name: str, hibernate: bool = False, progress: Progress = quiet, warn: Progress = quiet
     ) -> Checkpoint:
         """Checkpoint (or hibernate) a running job; ``warn`` is told if its image is only in RAM, and why."""
         job = self.reconcile(self.records.job(name))
@@ -791,15 +255,10 @@ class Engine:
                 hint = " and runs unsupervised (its launcher died): see 'torpor ps'"
             raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
         self.ctx.criu.require()
-        reply = control.call(
-            self.settings.socket_path(name),
-            {"op": "checkpoint", "hibernate": hibernate},
-            on_progress=progress,
-        )
-        checkpoint = Checkpoint(**reply["checkpoint"])
-        if reply.get("not_durable"):
-            warn(f"checkpoint {checkpoint.id} is only in RAM: {reply['not_durable']}")
-        return checkpoint
+        reply = control.checkpoint(self.settings.socket_path(job.name), hibernate, on_progress=progress)
+        if reply.not_durable:
+            warn(f"checkpoint {reply.checkpoint.id} is only in RAM: {reply.not_durable}")
+        return reply.checkpoint
 
     # -- restore ---------------------------------------------------------------------------------------
 
@@ -808,21 +267,21 @@ class Engine:
         name: str,
         ref: str | None = None,
         force: bool = False,
-        progress: Progress = _quiet,
+        progress: Progress = quiet,
         lazy: bool = False,
     ) -> tuple[Job, Checkpoint, float]:
         """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds)."""
         job = self.reconcile(self.records.job(name))
         checkpoint = (
-            self.records.find_checkpoint(name, ref)
+            self.records.find_checkpoint(job.name, ref)
             if ref is not None
-            else self.records.latest_checkpoint(name)
+            else self.records.latest_checkpoint(job.name)
         )
         if checkpoint is None:
             raise CheckpointNotFound(
                 f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')"
             )
-        if job.state in LIVE_STATES or job.state == JobState.RESTORING or unsupervised(job):
+        if job.state in SUPERVISED_STATES or unsupervised(job):
             if not force or job.state == JobState.RESTORING:
                 raise WrongState(
                     f"job '{name}' is {_describe(job)}; stop it first or pass --force to stop it and restore"
@@ -835,19 +294,19 @@ class Engine:
                 exc.details.append(f"job '{name}' was not stopped; it is still {job.state}")
                 raise
             progress(f"stopping the running job '{name}'")
-            self.stop(name)
-            job = self.records.job(name)
+            self.stop(job.name)
+            job = self.records.job(job.name)
         self.ctx.criu.require()
         started = time.monotonic()
         # while restoring, the launcher pid on record is this process: if it dies, `ps` marks the job failed
         previous = self.records.transition(
-            name, RESTORABLE_STATES, JobState.RESTORING, launcher_pid=os.getpid()
+            job.name, RESTORABLE_STATES, JobState.RESTORING, launcher_pid=os.getpid()
         )
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         launcher: PendingLauncher | None = None
         pages: PageStream | None = None
         try:
-            launcher = self._start_launcher({"mode": "restore", "job": name})
+            launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
             if previous.pid and not system.wait_gone(
                 previous.pid, previous.pid_ticks, self.settings.pid_wait_s
             ):
@@ -857,51 +316,42 @@ class Engine:
             progress(
                 f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
             )
-            served = False
-            check: Check | None = None
-            if lazy:
-                # from the cold tier, memory comes in page by page (each chunk verified as it is
-                # fetched); an image in RAM is verified whole first, then CRIU's own daemon serves it
-                served = self.ctx.store.prepare_lazy(checkpoint.id, image_dir)
-                if not served:
-                    self.ctx.store.get(checkpoint.id, image_dir)
-            else:
-                if self.settings.stream_restore:
-                    pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
-                if pages is None:
-                    check = self.ctx.store.fetch(checkpoint.id, image_dir)
-            rewound = rewind_written_files(
-                image_dir, self.settings.job_dir(name) / "rewound" / checkpoint.id, keep={Path(job.log_path)}
+            source = self.ctx.store.restore_source(
+                checkpoint.id, lazy=lazy, stream=self.settings.stream_restore
             )
-            if rewound:
-                progress(
-                    f"rewound {len(rewound)} file(s) the job writes to their size at the checkpoint "
-                    f"(later bytes saved under {self.settings.job_dir(name) / 'rewound'})"
-                )
-            recreated = recreate_socket_folders(image_dir)
-            if recreated:
-                progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
-            spec = {
-                "image_dir": str(image_dir),
-                "checkpoint_id": checkpoint.id,
-                "lazy": lazy,
-                "served": served,
-                "stream": pages is not None,
-            }
+            check: Check | None = None
+            if source == RestoreSource.LAZY_SERVED:
+                # from the cold tier, memory comes in page by page (each chunk verified as it is fetched)
+                self.ctx.store.prepare_lazy(checkpoint.id, image_dir)
+            elif source == RestoreSource.LAZY_LOCAL:
+                # an image in RAM is verified whole first, then CRIU's own daemon serves it
+                self.ctx.store.get(checkpoint.id, image_dir)
+            elif source == RestoreSource.COLD_STREAMED:
+                pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
+            else:  # HOT_LINKED, COLD_WHOLE: all but the pages verified now, those while CRIU reads them
+                check = self.ctx.store.fetch(checkpoint.id, image_dir)
+            prepare_world(self.ctx, job, checkpoint.id, image_dir, progress)
+            spec = RestoreSpec(
+                image_dir=str(image_dir),
+                checkpoint_id=checkpoint.id,
+                lazy=lazy,
+                served=source == RestoreSource.LAZY_SERVED,
+                stream=pages is not None,
+            )
             if pages is not None:
                 progress("restoring with criu; memory streams in from the store, each chunk verified first")
-                self._release_streamed(launcher, spec, image_dir, pages)
+                release_streamed(launcher, spec, image_dir, pages)
             elif check is None:
                 progress("restoring with criu")
                 launcher.release(spec)
             else:
                 progress("restoring with criu; the job runs once its memory pages are verified")
-                self._release_gated(launcher, spec, image_dir, check)
+                release_gated(self.ctx, launcher, spec, image_dir, check)
         except TorporError as exc:
             if launcher is not None:
                 launcher.abort()
             shutil.rmtree(image_dir, ignore_errors=True)
-            self.records.transition(name, {JobState.RESTORING}, previous.state)
+            self.records.transition(job.name, {JobState.RESTORING}, previous.state)
             if not isinstance(exc, RestoreFailed):
                 exc.details.append(f"job '{name}' stays {previous.state}; its checkpoints are untouched")
                 raise
@@ -912,74 +362,20 @@ class Engine:
         finally:
             if pages is not None:
                 pages.close()
-        return self.records.job(name), checkpoint, time.monotonic() - started
+        return self.records.job(job.name), checkpoint, time.monotonic() - started
 
-    def wait_lazy(self, name: str, progress: Progress = _quiet) -> None:
+    def wait_lazy(self, name: str, progress: Progress = quiet) -> None:
         """After a lazy restore, return once all of the job's memory is in; raise if that killed it.
 
         A damaged chunk is met only when the job touches its pages, after ``restore`` returned: torpor
         kills the job then (it must not run on memory it cannot get) and this says why.
         """
-        reply = control.call(self.settings.socket_path(name), {"op": "wait_lazy"}, on_progress=progress)
-        if reply.get("killed"):
+        reply = control.wait_lazy(self.settings.socket_path(name), on_progress=progress)
+        if reply.killed:
             raise RestoreFailed(
-                f"the lazily restored job '{name}' was killed: {reply['killed']}",
+                f"the lazily restored job '{name}' was killed: {reply.killed}",
                 details=["its checkpoints are kept; 'torpor ps' shows it failed"],
             )
-
-    def _release_streamed(
-        self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, pages: PageStream
-    ) -> None:
-        """Let the launcher run ``criu restore --stream`` while this process hands CRIU the image.
-
-        The files in ``image_dir`` (verified already) go to CRIU as they are; the memory pages come from
-        the store straight into CRIU's pipe, with no copy in RAM first, each chunk verified before it is
-        written. A damaged chunk cuts its file short, so CRIU fails before the job runs.
-        """
-        streamer = ImageStreamer(image_dir, {name: partial(pages.write, name) for name in pages.names})
-        streamer.start()
-        try:
-            launcher.release(spec)
-        except TorporError as exc:
-            streamer.stop()
-            if isinstance(streamer.error, TorporError):  # says more than "criu restore failed"
-                raise streamer.error from exc
-            raise
-        finally:
-            streamer.stop()
-
-    def _release_gated(
-        self, launcher: PendingLauncher, spec: dict[str, Any], image_dir: Path, check: Check
-    ) -> None:
-        """Let the launcher restore while this process runs ``check``; the job runs only if it passes.
-
-        CRIU reads the pages while they are verified (two cores at work instead of one after the
-        other) and holds the restored tree at its post-restore step until the verdict (RestoreGate).
-        """
-        gate = self.ctx.restore_gate(image_dir / ".torpor-verdict", os.getpid())
-        failed: list[TorporError] = []
-
-        def verify() -> None:
-            try:
-                check()
-            except TorporError as exc:
-                failed.append(exc)
-                gate.shut(exc.message)
-            except BaseException as exc:  # whatever went wrong, unverified memory must not run
-                failed.append(StoreError(f"verifying the image failed: {exc}"))
-                gate.shut(str(exc))
-                raise
-            else:
-                gate.open()
-
-        verifier = threading.Thread(target=verify, name="verify", daemon=True)
-        verifier.start()
-        try:
-            launcher.release({**spec, "gate": str(gate.verdict), "gate_pid": os.getpid()})
-        finally:
-            verifier.join()
-            if failed:  # the image's own error says more than "criu restore failed"
-                raise failed[0]
 
     # -- stop and remove --------------------------------------------------------------------------------
 
@@ -993,23 +389,21 @@ class Engine:
         if not job.pid or (job.state not in LIVE_STATES and not orphaned):
             raise WrongState(f"job '{name}' is {job.state}, not running")
         grace = self.settings.stop_grace_s if grace_s is None else grace_s
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            if wait <= 0 and sig == signal.SIGTERM:
-                continue
+        for step in stop_policy.escalation(grace):
             try:
-                os.kill(job.pid, sig)
+                os.kill(job.pid, step.signal)
             except ProcessLookupError:
                 break
-            if system.wait_gone(job.pid, job.pid_ticks, wait):
+            if system.wait_gone(job.pid, job.pid_ticks, step.wait_s):
                 break
         if orphaned:  # no launcher to record it
             self.records.set_fields(
-                name,
+                job.name,
                 pid=None,
                 ended_at=time.time(),
                 message="its launcher had died; torpor stopped its unsupervised processes",
             )
-            return self.records.job(name)
+            return self.records.job(job.name)
         # the launcher records the exit; wait for it so the next command sees a settled state
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -1019,22 +413,22 @@ class Engine:
             time.sleep(0.05)
         return job
 
-    def remove(self, name: str, force: bool = False) -> list[str]:
+    def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
         job = self.reconcile(self.records.job(name))
-        if job.state in LIVE_STATES or job.state == JobState.RESTORING or unsupervised(job):
+        if job.state in SUPERVISED_STATES or unsupervised(job):
             if not force or job.state == JobState.RESTORING:
                 raise WrongState(f"job '{name}' is {_describe(job)}; stop it first or pass --force")
             launcher = job.launcher_pid
-            self.stop(name, grace_s=0)
+            self.stop(job.name, grace_s=0)
             if launcher and launcher != os.getpid():  # let it finish with the record before it goes
                 system.wait_gone(launcher, None, 10)
-        removed: list[str] = []
-        for checkpoint in self.records.checkpoints(name):
+        removed: list[CheckpointId] = []
+        for checkpoint in self.records.checkpoints(job.name):
             self.ctx.store.delete(checkpoint.id)
             removed.append(checkpoint.id)
-        self.records.delete_job(name)
-        self.settings.socket_path(name).unlink(missing_ok=True)
-        shutil.rmtree(self.settings.job_dir(name), ignore_errors=True)
+        self.records.delete_job(job.name)
+        self.settings.socket_path(job.name).unlink(missing_ok=True)
+        shutil.rmtree(self.settings.job_dir(job.name), ignore_errors=True)
         return removed
 
     def log_path(self, name: str) -> Path:
@@ -1058,86 +452,3 @@ def unsupervised(job: Job) -> bool:
 
 def _describe(job: Job) -> str:
     return "running unsupervised (its launcher died)" if unsupervised(job) else str(job.state)
-
-
-_INTERPRETERS = (
-    "python",
-    "python3",
-    "bash",
-    "sh",
-    "node",
-    "ruby",
-    "perl",
-    "Rscript",
-    "julia",
-    "uv",
-    "torchrun",
-)
-
-
-def _name_from_command(command: list[str]) -> str:
-    """``python -u train.py`` → ``train``; ``./serve`` → ``serve``."""
-    program = Path(command[0]).name
-    if program.rstrip("0123456789.") in _INTERPRETERS:
-        for arg in command[1:]:
-            if not arg.startswith("-"):
-                return Path(arg).stem or program
-    return program
-
-
-class PendingLauncher:
-    """A launcher that has started and waits for the rest of its spec on a pipe (or for EOF: abort)."""
-
-    def __init__(self, job: str, log: Path, ready_fd: int, go_fd: int, life_fd: int) -> None:
-        self.job = job
-        self.log = log
-        self.ready_fd = ready_fd
-        self.go_fd: int | None = go_fd
-        self.life_fd = life_fd
-
-    def release(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """Send the rest of the spec and wait for the launcher's report; raise its error if it failed."""
-        assert self.go_fd is not None
-        try:
-            os.write(self.go_fd, json.dumps(extra).encode() + b"\n")
-        except BrokenPipeError:
-            pass  # it died already: its report (or its silence) says why
-        finally:
-            os.close(self.go_fd)
-            self.go_fd = None
-        with os.fdopen(self.ready_fd) as pipe:
-            line = pipe.readline()
-        if not line:
-            self._wait_gone()
-            tail = self.log.read_text(errors="replace").splitlines()[-8:]
-            raise TorporError(f"the launcher for '{self.job}' died before reporting", details=tail)
-        report: dict[str, Any] = json.loads(line)
-        if not report.get("ok"):
-            self._wait_gone()
-            raise from_dict(report)
-        os.close(self.life_fd)
-        return report
-
-    def abort(self) -> None:
-        """Tell a launcher still waiting for :meth:`release` to exit without doing anything."""
-        if self.go_fd is not None:
-            os.close(self.go_fd)
-            self.go_fd = None
-            os.close(self.ready_fd)
-            self._wait_gone()
-
-    def _wait_gone(self, timeout: float = 60) -> None:
-        """Wait for the launcher to exit (so the next command sees what it left), at most ``timeout``."""
-        try:
-            ready, _, _ = select.select([self.life_fd], [], [], timeout)
-            if ready:
-                os.read(self.life_fd, 1)  # EOF: its end closed as it exited
-        finally:
-            os.close(self.life_fd)
-
-
-def _check_name(name: str) -> None:
-    if not name or len(name) > 64 or not all(ch.isalnum() or ch in "-_." for ch in name) or name[0] in ".-":
-        raise UsageError(
-            f"bad job name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
-        )

@@ -28,6 +28,8 @@ SCHEMA_VERSION = 1
 
 
 class JobState(StrEnum):
+    """Where a job is in its life; every change is a :meth:`Records.transition` from the expected one."""
+
     STARTING = "starting"
     RUNNING = "running"
     CHECKPOINTING = "checkpointing"
@@ -38,14 +40,25 @@ class JobState(StrEnum):
     FAILED = "failed"
 
 
+class CheckpointKind(StrEnum):
+    """Why a checkpoint was taken: the job ran on (``checkpoint``) or was stopped by it (``hibernate``)."""
+
+    CHECKPOINT = "checkpoint"
+    HIBERNATE = "hibernate"
+
+
 #: states in which the job has live processes (or is about to)
 LIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CHECKPOINTING, JobState.HIBERNATING})
+#: states in which a launcher works on the job: it has live processes, or is being restored
+SUPERVISED_STATES = LIVE_STATES | {JobState.RESTORING}
 #: states from which a job can be restored
 RESTORABLE_STATES = frozenset({JobState.HIBERNATED, JobState.EXITED, JobState.FAILED})
 
 
 @dataclass(frozen=True)
 class Job:
+    """A job's record: what it runs, where it is in its life, and its processes while it has any."""
+
     name: JobName
     command: list[str]
     cwd: str
@@ -64,9 +77,11 @@ class Job:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A checkpoint's record: its job, kind, timings and size (its image is the store's)."""
+
     id: CheckpointId
     job: JobName
-    kind: str  # "checkpoint" or "hibernate"
+    kind: CheckpointKind
     created_at: float
     freeze_s: float
     total_s: float
@@ -175,6 +190,7 @@ class Records:
         return self.job(name)
 
     def job(self, name: str) -> Job:
+        """The job named ``name`` (as typed by a user: JobNotFound if there is none)."""
         with self.transaction() as db:
             row = db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
         if row is None:
@@ -187,7 +203,7 @@ class Records:
         return [_job(row) for row in rows]
 
     def transition(
-        self, name: str, expected: frozenset[JobState] | set[JobState], new: JobState, **fields: object
+        self, name: JobName, expected: frozenset[JobState] | set[JobState], new: JobState, **fields: object
     ) -> Job:
         """Move ``name`` to ``new`` (and set ``fields``) only if it is in one of ``expected``.
 
@@ -220,14 +236,14 @@ class Records:
             db.execute(f"UPDATE jobs SET {assignments} WHERE name=?", (new, *fields.values(), name))
         return before
 
-    def set_fields(self, name: str, **fields: object) -> None:
+    def set_fields(self, name: JobName, **fields: object) -> None:
         if not fields:
             return
         assignments = ", ".join(f"{key}=?" for key in fields)
         with self.transaction() as db:
             db.execute(f"UPDATE jobs SET {assignments} WHERE name=?", (*fields.values(), name))
 
-    def delete_job(self, name: str) -> None:
+    def delete_job(self, name: JobName) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
@@ -262,7 +278,7 @@ class Records:
                 ).fetchall()
         return [_checkpoint(row) for row in rows]
 
-    def latest_checkpoint(self, job: str) -> Checkpoint | None:
+    def latest_checkpoint(self, job: JobName) -> Checkpoint | None:
         found = self.checkpoints(job)
         return found[-1] if found else None
 
@@ -286,7 +302,7 @@ class Records:
             f"'{ref}' matches {len(matches)} checkpoints of '{job}': give more of the id"
         )
 
-    def delete_checkpoint(self, checkpoint_id: str) -> None:
+    def delete_checkpoint(self, checkpoint_id: CheckpointId) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint_id,))
 
@@ -314,7 +330,7 @@ def _checkpoint(row: sqlite3.Row) -> Checkpoint:
     return Checkpoint(
         id=CheckpointId(row["id"]),
         job=JobName(row["job"]),
-        kind=row["kind"],
+        kind=CheckpointKind(row["kind"]),
         created_at=row["created_at"],
         freeze_s=row["freeze_s"],
         total_s=row["total_s"],

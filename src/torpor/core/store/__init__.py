@@ -37,6 +37,7 @@ from torpor.core.store.base import (
     ImageStore,
     PageSource,
     PageStream,
+    RestoreSource,
     StoredImage,
 )
 from torpor.core.store.config import StoreConfig
@@ -54,6 +55,7 @@ __all__ = [
     "ImageStore",
     "PageSource",
     "PageStream",
+    "RestoreSource",
     "StoreConfig",
     "StoredImage",
     "TieredStore",

@@ -28,6 +28,21 @@ DESTAGING = ImageState.DESTAGING
 DURABLE = ImageState.DURABLE
 
 
+class RestoreSource(StrEnum):
+    """Where a restore reads the image from, chosen once up front by :meth:`ImageStore.restore_source`."""
+
+    #: in the hot tier: linked into the restore folder (no copy); the pages verified while CRIU reads them
+    HOT_LINKED = "hot-linked"
+    #: cold tier, streamed: the small files fetched, the pages straight from the store into CRIU's pipe
+    COLD_STREAMED = "cold-streamed"
+    #: cold tier, whole: every file fetched; the pages verified while CRIU reads them
+    COLD_WHOLE = "cold-whole"
+    #: lazy, from the cold tier: memory served page by page by torpor's page server, each chunk verified
+    LAZY_SERVED = "lazy-served"
+    #: lazy, from a whole local copy (an image in RAM), verified first, served by CRIU's own daemon
+    LAZY_LOCAL = "lazy-local"
+
+
 #: verifies what :meth:`ImageStore.fetch` left unverified; raises CorruptImage
 Check = Callable[[], None]
 
@@ -149,17 +164,21 @@ class ImageStore(Protocol):
         back intact. Raises as :meth:`get` would; the memory pages are still verified by the restore.
         """
 
-    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
-        """For a streamed restore: write all but the memory pages into ``dest``, verified; stream those.
+    def restore_source(self, checkpoint_id: str, lazy: bool, stream: bool) -> RestoreSource:
+        """Where a restore (``lazy`` or not; ``stream``: the streamed-restore setting) reads the image from.
 
-        None: nothing was written; the image is in RAM, and :meth:`fetch` gives it fastest (links).
+        Decided from what the store knows without reading the image; the method for the source then
+        fetches it (:meth:`fetch` for HOT_LINKED and COLD_WHOLE, :meth:`stream_pages`,
+        :meth:`prepare_lazy`, :meth:`get` for LAZY_LOCAL) and says what is missing or damaged.
         """
 
-    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:
-        """For a lazy restore: write into ``dest`` all that CRIU reads itself, verified; leave the rest.
+    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream:
+        """For COLD_STREAMED: write all but the memory pages into ``dest``, verified; stream those."""
 
-        True: the memory left out is to be served by :meth:`page_source`. False: nothing was written,
-        this image is best restored lazily from a whole local copy (:meth:`get`).
+    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> None:
+        """For LAZY_SERVED: write into ``dest`` all that CRIU reads itself, verified; leave the rest.
+
+        The memory left out is served by :meth:`page_source`.
         """
 
     def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:

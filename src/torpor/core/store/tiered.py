@@ -37,6 +37,7 @@ from torpor.core.store.base import (
     GcResult,
     PageSource,
     PageStream,
+    RestoreSource,
     StoredImage,
     is_bulk,
 )
@@ -271,28 +272,35 @@ class TieredStore:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream | None:
-        if self.hot.record(checkpoint_id) is not None:
-            return None  # in RAM already: linked into the restore folder, no copy at all
+    def restore_source(self, checkpoint_id: str, lazy: bool, stream: bool) -> RestoreSource:
+        """An image in RAM is linked (or, lazily, served by CRIU's daemon from the links); else the cold tier.
+
+        One with no image anywhere gets a cold source too: reading it raises :meth:`_no_image`.
+        """
+        in_ram = self.hot.record(checkpoint_id) is not None
+        if lazy:
+            return RestoreSource.LAZY_LOCAL if in_ram else RestoreSource.LAZY_SERVED
+        if in_ram:
+            return RestoreSource.HOT_LINKED
+        return RestoreSource.COLD_STREAMED if stream else RestoreSource.COLD_WHOLE
+
+    def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream:
         try:
             manifest = self.repo.read(checkpoint_id, dest, skip=is_bulk)
-        except CheckpointNotFound:
-            return None  # fetch() says what is missing, as for any restore
+        except CheckpointNotFound as exc:
+            raise self._no_image(checkpoint_id) from exc
         except CorruptImage as exc:
             raise self._with_hint(exc, checkpoint_id) from exc
         return _ColdPages(self, manifest)
 
-    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> bool:
-        if self.hot.record(checkpoint_id) is not None:
-            return False  # in RAM already: CRIU's own daemon serves a linked copy fastest
+    def prepare_lazy(self, checkpoint_id: str, dest: Path) -> None:
         try:
             with LazyImage.open(self.repo, checkpoint_id) as image:
                 image.prepare(dest)
-        except CheckpointNotFound:
-            return False  # get() says what is missing, as for any restore
+        except CheckpointNotFound as exc:
+            raise self._no_image(checkpoint_id) from exc
         except CorruptImage as exc:
             raise self._with_hint(exc, checkpoint_id) from exc
-        return True
 
     def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
         image = LazyImage.open(self.repo, checkpoint_id)

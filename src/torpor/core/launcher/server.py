@@ -1,15 +1,18 @@
-"""The launcher: one small process per job incarnation that supervises it and takes its commands.
+"""The launcher itself: one small process per job incarnation that supervises it and takes its commands.
 
-Started detached (its own session, stdio away from the terminal) by ``torpor run`` or ``torpor resume``:
+Started detached (its own session, stdio away from the terminal) by ``torpor run`` or ``torpor resume``
+(:mod:`torpor.core.launcher.spawn`):
 
 * it becomes a child subreaper, then starts the job as PID 1 of a new PID namespace in a session of its
   own (stdin /dev/null, stdout+stderr appended to the job's log) — or, on resume, runs ``criu restore -d``
   so the restored tree is re-parented to it;
 * it records the job's pid and, when the job ends, its exit status;
-* it serves ``status`` and ``checkpoint`` requests (JSON lines) on a unix socket; a checkpoint runs here,
-  because the launcher is the one process that can tell a job killed by a hibernating dump from a crash.
+* it serves ``status``, ``checkpoint`` and ``wait_lazy`` requests (:mod:`torpor.core.control`) on a unix
+  socket; a checkpoint runs here, because the launcher is the one process that can tell a job killed by
+  a hibernating dump from a crash.
 
-The CLI is never the job's parent, so closing the terminal does not touch the job.
+The CLI is never the job's parent, so closing the terminal does not touch the job. The checkpoint and
+restore themselves are :mod:`torpor.core.checkpoint`'s and :mod:`torpor.core.restore`'s.
 """
 
 from __future__ import annotations
@@ -23,44 +26,30 @@ import socketserver
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torpor.adapters import system
-from torpor.core import engine
+from torpor.core import control
+from torpor.core.checkpoint import checkpoint_in_launcher
+from torpor.core.context import Context, Progress
+from torpor.core.launcher import protocol
+from torpor.core.launcher.protocol import LauncherEnds, LaunchMode, LaunchSpec, RestoreSpec, Started
 from torpor.core.records import JobState
-from torpor.errors import JobExited, JobNotFound, TorporError
-from torpor.settings import Settings
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """What the CLI asks a new launcher to do (passed as JSON on its command line)."""
-
-    #: the CLI's Settings (Settings.to_dict; the store configuration is the state directory's, read at use)
-    settings_dict: dict[str, Any]
-    job: str
-    mode: str  # "start" or "restore"
-    image_dir: str | None = None  # restore: the image folder (verified but for a gate) it consumes
-    checkpoint_id: str | None = None  # restore: which checkpoint the image is
-    lazy: bool = False  # restore: start the job before its memory is in (CRIU lazy pages)
-    #: restore: the image's pages are still being verified by process ``gate_pid``, which writes its
-    #: verdict to the file ``gate``; the restored job runs only once it says so (criu.RestoreGate)
-    gate: str | None = None
-    gate_pid: int | None = None
-    served: bool = False  # lazy restore: memory comes from the store through torpor's page server
-    stream: bool = False  # restore: CRIU reads the image from the image streamer the CLI runs on it
-
-    def settings(self) -> Settings:
-        return Settings.from_dict(self.settings_dict)
+from torpor.core.restore import restore_into_launcher
+from torpor.errors import JobExited, JobNotFound, JobStartFailed, TorporError
 
 
 class Launcher:
-    def __init__(self, spec: LaunchSpec, umask: int = system.PRIVATE_UMASK) -> None:
-        """``umask``: the job's when the settings name none (the launcher's as it started)."""
+    """Supervises one incarnation of a job: starts or restores it, records its end, serves its socket."""
+
+    def __init__(
+        self, spec: LaunchSpec, restore: RestoreSpec | None = None, umask: int = system.PRIVATE_UMASK
+    ) -> None:
+        """``restore``: what to restore from (mode restore); ``umask``: the job's when the settings name none."""
         self.spec = spec
-        self.ctx = engine.Context(spec.settings())
+        self.restore = restore
+        self.ctx = Context(spec.settings())
         self.job_umask = umask if self.ctx.settings.job_umask is None else self.ctx.settings.job_umask
         self.job = self.ctx.records.job(spec.job)
         self.lock = threading.Lock()  # one operation at a time, and the waiter waits for it
@@ -96,12 +85,12 @@ class Launcher:
         with os.fdopen(exec_r, "rb") as pipe:
             failure = pipe.read()
         if not text:
-            raise TorporError("could not start the job: creating its PID namespace failed")
+            raise JobStartFailed("could not start the job: creating its PID namespace failed")
         pid = int(text)
         if failure:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-            raise TorporError(f"cannot run {self.job.command[0]!r}: {failure.decode(errors='replace')}")
+            raise JobStartFailed(f"cannot run {self.job.command[0]!r}: {failure.decode(errors='replace')}")
         return pid
 
     def _exec_job(self, log_fd: int, exec_w: int) -> None:  # pragma: no cover - child side
@@ -123,17 +112,18 @@ class Launcher:
         os._exit(127)
 
     def restore_job(self) -> int:
-        assert self.spec.image_dir and self.spec.checkpoint_id
-        return engine.restore_into_launcher(
+        spec = self.restore
+        assert spec is not None and spec.image_dir and spec.checkpoint_id
+        return restore_into_launcher(
             self.ctx,
             self.job,
-            Path(self.spec.image_dir),
-            self.spec.checkpoint_id,
-            lazy=self.spec.lazy,
-            served=self.spec.served,
-            stream=self.spec.stream,
-            gate=self.ctx.restore_gate(Path(self.spec.gate), self.spec.gate_pid)
-            if self.spec.gate and self.spec.gate_pid
+            Path(spec.image_dir),
+            spec.checkpoint_id,
+            lazy=spec.lazy,
+            served=spec.served,
+            stream=spec.stream,
+            gate=self.ctx.restore_gate(Path(spec.gate), spec.gate_pid)
+            if spec.gate and spec.gate_pid
             else None,
         )
 
@@ -142,14 +132,14 @@ class Launcher:
     def serve(self, ready_fd: int) -> int:
         system.become_subreaper()
         try:
-            pid = self.start_job() if self.spec.mode == "start" else self.restore_job()
+            pid = self.start_job() if self.spec.mode == LaunchMode.START else self.restore_job()
         except TorporError as exc:
-            if self.spec.mode == "start":
+            if self.spec.mode == LaunchMode.START:
                 self.ctx.records.set_fields(self.job.name, message=exc.message)
                 self.ctx.records.transition(
                     self.job.name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time()
                 )
-            _report(ready_fd, {"ok": False, **exc.to_dict()})
+            protocol.report_failed(ready_fd, exc)
             return 1
         self.pid = pid
         sock_path = self.ctx.settings.socket_path(self.job.name)
@@ -157,7 +147,7 @@ class Launcher:
         sock_path.unlink(missing_ok=True)
         self.server = _Server(str(sock_path), _Handler)
         self.server.launcher = self
-        expected = {JobState.STARTING} if self.spec.mode == "start" else {JobState.RESTORING}
+        expected = {JobState.STARTING} if self.spec.mode == LaunchMode.START else {JobState.RESTORING}
         self.ctx.records.transition(
             self.job.name,
             expected,
@@ -169,11 +159,11 @@ class Launcher:
             ended_at=None,
             exit_code=None,
             message=None,
-            restored_from=self.spec.checkpoint_id,
+            restored_from=self.restore.checkpoint_id if self.restore else None,
         )
         waiter = threading.Thread(target=self._wait_for_job, name="waiter", daemon=True)
         waiter.start()
-        _report(ready_fd, {"ok": True, "pid": pid, "launcher_pid": os.getpid()})
+        protocol.report_started(ready_fd, Started(pid, os.getpid()))
         try:
             self.server.serve_forever(poll_interval=0.2)
         finally:
@@ -229,29 +219,24 @@ class Launcher:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def handle(self, request: dict[str, Any], send: Any) -> dict[str, Any]:
-        op = request.get("op")
-        if op == "status":
-            return {"ok": True, "pid": self.pid, "launcher_pid": os.getpid()}
-        if op == "checkpoint":
-            hibernate = bool(request.get("hibernate"))
+    def handle(self, request: control.Request, progress: Progress) -> control.Reply:
+        if isinstance(request, control.StatusRequest):
+            return control.StatusReply(pid=self.pid, launcher_pid=os.getpid())
+        if isinstance(request, control.CheckpointRequest):
             with self.lock:
                 if self.pid is None or not system.is_alive(self.pid):
                     raise JobExited(f"job '{self.job.name}' is not running")
-                result = engine.checkpoint_in_launcher(
-                    self.ctx, self.job.name, self.pid, hibernate, self, send
+                return checkpoint_in_launcher(
+                    self.ctx, self.job.name, self.pid, request.hibernate, self, progress
                 )
-            return {"ok": True, **result}
-        if op == "wait_lazy":
-            # after a lazy restore: until every page is in, the job can still meet a damaged chunk
-            daemon = self.ctx.lazy_pages
-            if daemon is not None and daemon.poll() is None:
-                send({"progress": "the job runs; bringing in the rest of its memory, each chunk verified"})
-                daemon.wait()
-            if self.ctx.killed_because:  # say it once the record says it too
-                self.finished.wait(10)
-            return {"ok": True, "killed": self.ctx.killed_because}
-        return {"ok": False, "error": "UsageError", "message": f"unknown request {op!r}", "details": []}
+        # wait_lazy, after a lazy restore: until every page is in, the job can still meet a damaged chunk
+        daemon = self.ctx.lazy_pages
+        if daemon is not None and daemon.poll() is None:
+            progress("the job runs; bringing in the rest of its memory, each chunk verified")
+            daemon.wait()
+        if self.ctx.killed_because:  # say it once the record says it too
+            self.finished.wait(10)
+        return control.WaitLazyReply(killed=self.ctx.killed_because)
 
     def adopt(self, pid: int) -> None:
         """A failed hibernation restored the job from its staging image: supervise the new tree."""
@@ -275,11 +260,15 @@ class _Handler(socketserver.StreamRequestHandler):
                 self.wfile.write(json.dumps(message).encode() + b"\n")
                 self.wfile.flush()
 
+        def progress(text: str) -> None:
+            send(control.progress(text))
+
+        reply: dict[str, Any]
         try:
-            request = json.loads(self.rfile.readline() or b"{}")
-            reply = self.server.launcher.handle(request, send)
+            request = control.parse_request(json.loads(self.rfile.readline() or b"{}"))
+            reply = control.reply_to_json(self.server.launcher.handle(request, progress))
         except TorporError as exc:
-            reply = {"ok": False, **exc.to_dict()}
+            reply = control.failed(exc)
         except Exception as exc:  # a bug: report it rather than leave the client hanging
             reply = {
                 "ok": False,
@@ -291,14 +280,7 @@ class _Handler(socketserver.StreamRequestHandler):
         send(reply)
 
 
-def _report(fd: int, message: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        os.write(fd, json.dumps(message).encode() + b"\n")
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def forked(fields: dict[str, Any], log: Path, ready_fd: int, go_fd: int, life_fd: int) -> int:
+def forked(spec: LaunchSpec, log: Path, ends: LauncherEnds) -> int:
     """Become the launcher in a process just forked from the CLI (which imported everything already).
 
     Starting a launcher this way takes a millisecond instead of the ~0.1 s a new interpreter needs to
@@ -320,7 +302,7 @@ def forked(fields: dict[str, Any], log: Path, ready_fd: int, go_fd: int, life_fd
     os.dup2(out, 1)
     os.dup2(out, 2)
     start = 3
-    for keep in sorted((ready_fd, go_fd, life_fd)):
+    for keep in sorted(ends.fds):
         os.closerange(start, keep)
         start = keep + 1
     os.closerange(start, 65536)
@@ -329,31 +311,25 @@ def forked(fields: dict[str, Any], log: Path, ready_fd: int, go_fd: int, life_fd
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     with contextlib.suppress(OSError):
         system.set_process_name("torpor-launch")
-    return _serve(fields, ready_fd, go_fd)
+    return _serve(spec, ends.ready_w, ends.go_r)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    fields = json.loads(args[0])
+    spec = LaunchSpec.from_json(args[0])
     ready_fd, go_fd = int(args[1]), int(args[2])  # args[3]: its life pipe, held until it exits
-    return _serve(fields, ready_fd, go_fd)
+    return _serve(spec, ready_fd, go_fd)
 
 
-def _serve(fields: dict[str, Any], ready_fd: int, go_fd: int) -> int:
+def _serve(spec: LaunchSpec, ready_fd: int, go_fd: int) -> int:
     # what the launcher and CRIU (its child) write is private; the job gets its caller's umask back
     inherited = os.umask(system.PRIVATE_UMASK)
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # the CLI starts us early (a restore fetches its image meanwhile), then sends the rest of the spec
-    with os.fdopen(go_fd, "rb") as go:
-        line = go.readline()
-    if not line:
-        print(f"launcher {os.getpid()} for job {fields['job']}: called off before it started", flush=True)
+    go = protocol.receive_go(go_fd)
+    if go is None:
+        print(f"launcher {os.getpid()} for job {spec.job}: called off before it started", flush=True)
         return 0
-    spec = LaunchSpec(**{**fields, **json.loads(line)})
     print(f"launcher {os.getpid()} for job {spec.job} ({spec.mode}) at {time.ctime()}", flush=True)
-    return Launcher(spec, inherited).serve(ready_fd)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Launcher(spec, go.restore, inherited).serve(ready_fd)

@@ -1,0 +1,227 @@
+"""A checkpoint, as it runs inside the job's launcher: the dump, the commit, retention, the rollback.
+
+The launcher is the one process that can tell a job killed by a hibernating dump from a crash, so the
+whole checkpoint runs there (:func:`checkpoint_in_launcher`), asked by the CLI over the control socket.
+Order of a checkpoint::
+
+    claim the job (running → checkpointing/hibernating)
+    GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
+    criu dump into the store's staging folder  (job frozen only here; retried as policy.retry says)
+    GPU stage: give the device back (if the job keeps running)
+    store.put (commit: the checkpoint becomes visible)
+    record the checkpoint, apply retention; job → running / hibernated
+
+Any failure before the commit leaves the job running: CRIU resumes it, we SIGCONT anything left stopped,
+and a hibernation whose image cannot be committed is restored from its staging folder at once. Which
+checkpoints retention deletes and whether a dump is tried again are decisions of :mod:`torpor.policy`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+from torpor.adapters import system
+from torpor.adapters.criu import Criu, DumpStats, log_excerpt
+from torpor.core.context import Context, Progress, quiet
+from torpor.core.control import CheckpointReply
+from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
+from torpor.errors import CheckpointFailed, JobExited, StorageFull, TorporError
+from torpor.policy import retention, retry
+
+
+class Supervisor(Protocol):
+    """What a checkpoint needs of the launcher that runs it."""
+
+    @property
+    def pid(self) -> int | None:
+        """The job's root, while it has one."""
+
+    def adopt(self, pid: int) -> None:
+        """Supervise the tree rooted at ``pid`` instead (a failed hibernation restored it)."""
+
+
+def checkpoint_in_launcher(
+    ctx: Context,
+    name: JobName,
+    pid: int,
+    hibernate: bool,
+    launcher: Supervisor,
+    progress: Progress,
+) -> CheckpointReply:
+    """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock.
+
+    An image the cold tier cannot take now stays in RAM only, and the reply's ``not_durable`` says why.
+    """
+    if ctx.lazy_pages is not None and ctx.lazy_pages.poll() is None:
+        # memory not yet copied in is absent from /proc/PID/pagemap: a dump now would silently lose it
+        progress("waiting for the lazy restore to bring in the rest of the job's memory")
+        ctx.lazy_pages.wait()
+    records = ctx.records
+    info = ctx.criu.require()
+    kind = CheckpointKind.HIBERNATE if hibernate else CheckpointKind.CHECKPOINT
+    job = records.transition(
+        name, {JobState.RUNNING}, JobState.HIBERNATING if hibernate else JobState.CHECKPOINTING
+    )
+    parent = records.latest_checkpoint(name)
+    checkpoint_id = CheckpointId(uuid.uuid4().hex[:12])
+    started = time.monotonic()
+    pids = system.namespace_members(pid)
+    staging: Path | None = None
+    committed = False
+    try:
+        rss = system.rss_bytes(pids)
+        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
+        ctx.gpu.before_dump(pids)
+        progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
+        dump_started = time.monotonic()
+        try:
+            stats = dump(
+                ctx.criu,
+                pid,
+                staging,
+                ctx.criu_log(name, "dump", checkpoint_id),
+                leave_running=not hibernate,
+                extra=ctx.settings.criu_extra,
+            )
+        finally:
+            if not hibernate:
+                ctx.gpu.after_dump(pids, leave_running=True)
+        dump_s = time.monotonic() - dump_started
+        freeze_s = stats.frozen_s or dump_s
+        progress(f"dumped in {dump_s:.2f} s (frozen {freeze_s:.2f} s); storing")
+        try:
+            stored = ctx.store.put(
+                checkpoint_id,
+                name,
+                staging,
+                {
+                    "kind": kind.value,
+                    "parent": parent.id if parent else job.restored_from,
+                    "criu_version": info.version,
+                    "command": job.command,
+                    "cwd": job.cwd,
+                    "freeze_s": freeze_s,
+                    "dump_s": dump_s,
+                },
+            )
+        except TorporError as exc:
+            if hibernate:
+                try:
+                    _restore_after_failed_hibernation(ctx, name, checkpoint_id, staging, launcher, exc)
+                except TorporError:
+                    staging = None  # the only copy of the job now: keep it for the user
+                    raise
+            raise
+        committed = True
+        not_durable = stored.error
+        total_s = time.monotonic() - started
+        checkpoint = Checkpoint(
+            id=checkpoint_id,
+            job=name,
+            kind=kind,
+            created_at=time.time(),
+            freeze_s=freeze_s,
+            total_s=total_s,
+            size_bytes=stored.size_bytes,
+            criu_version=info.version,
+            parent=parent.id if parent else job.restored_from,
+        )
+        records.add_checkpoint(checkpoint)
+        apply_retention(ctx, name, progress)
+    except TorporError as exc:
+        if staging is not None and not committed:
+            ctx.store.discard(staging)
+        woken = system.resume_stopped(system.namespace_members(launcher.pid or pid))
+        alive = launcher.pid is not None and system.is_alive(launcher.pid)
+        if alive:
+            records.transition(name, {JobState.CHECKPOINTING, JobState.HIBERNATING}, JobState.RUNNING)
+            if woken:
+                exc.details.append(f"torpor resumed {len(woken)} process(es) left stopped")
+            exc.details.append("the job is still running")
+        elif not isinstance(exc, JobExited):
+            raise JobExited(
+                f"the job ended during its checkpoint: {exc.message}", details=exc.details
+            ) from exc
+        raise
+    if hibernate:
+        records.set_fields(name, pid=None, ended_at=time.time(), message=f"hibernated as {checkpoint_id}")
+        records.transition(name, {JobState.HIBERNATING}, JobState.HIBERNATED)
+    else:
+        records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
+    return CheckpointReply(checkpoint, not_durable)
+
+
+def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any) -> DumpStats:
+    """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
+
+    A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
+    of an epoch) is tried again, a few times, from an empty folder.
+    """
+    attempt = 1
+    while True:
+        try:
+            return criu.dump(pid, images_dir, log_path, **options)
+        except (CheckpointFailed, StorageFull):
+            decision = retry.after_failed_dump(attempt, log_excerpt(log_path))
+            if not decision.again:
+                raise
+        _empty_folder(images_dir)
+        time.sleep(decision.delay_s)
+        attempt += 1
+
+
+def _empty_folder(images_dir: Path) -> None:
+    """Remove what a failed dump wrote into ``images_dir``; torpor's own dot files stay."""
+    for entry in images_dir.iterdir():
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def apply_retention(ctx: Context, name: JobName, progress: Progress = quiet) -> list[CheckpointId]:
+    """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids."""
+    keep = ctx.store.config.keep_last  # the state directory's, as it is now
+    if keep <= 0:
+        return []
+    checkpoints = ctx.records.checkpoints(name)
+    if len(checkpoints) <= keep:
+        return []
+    kept = [retention.Kept(c.id, c.created_at) for c in checkpoints]
+    removed = [CheckpointId(i) for i in retention.to_delete(kept, ctx.store.pinned(), keep)]
+    for checkpoint_id in removed:
+        ctx.store.delete(checkpoint_id)
+        ctx.records.delete_checkpoint(checkpoint_id)
+    if removed:
+        progress(f"retention (keep the last {keep}): deleted {len(removed)} older checkpoint(s)")
+    return removed
+
+
+def _restore_after_failed_hibernation(
+    ctx: Context,
+    name: JobName,
+    checkpoint_id: CheckpointId,
+    staging: Path,
+    launcher: Supervisor,
+    cause: TorporError,
+) -> None:
+    """The dump killed the job but its image could not be stored: bring the job back from the image."""
+    try:
+        pid = ctx.criu.restore(
+            staging,
+            ctx.criu_log(name, "rollback", checkpoint_id),
+            staging / "restored.pid",
+            extra=ctx.settings.criu_extra,
+        )
+    except TorporError as exc:
+        cause.details.append(f"restoring the job from its unsaved image failed too: {exc.message}")
+        cause.details.extend(exc.details)
+        cause.details.append(f"the unsaved image is kept in {staging}")
+        raise cause from exc
+    launcher.adopt(pid)

@@ -1,0 +1,29 @@
+"""Whether a failed dump is tried again: only a passing CRIU error, only while attempts are left."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor.policy.retry import DUMP_ATTEMPTS, GIVE_UP, Retry, after_failed_dump
+
+ZOMBIE = "(00.058879) Error (criu/seize.c:882): Zombies with threads are not supported"
+OTHER = "(00.1) Error (criu/files.c:1): Can't dump a process with an unsupported file"
+
+
+@pytest.mark.parametrize(("attempt", "delay"), [(1, 0.1), (2, 0.2)])
+def test_a_passing_error_is_tried_again_with_a_growing_delay(attempt: int, delay: float) -> None:
+    assert after_failed_dump(attempt, [OTHER, ZOMBIE]) == Retry(again=True, delay_s=pytest.approx(delay))
+
+
+def test_the_last_attempt_gives_up() -> None:
+    assert DUMP_ATTEMPTS == 3
+    assert after_failed_dump(DUMP_ATTEMPTS, [ZOMBIE]) == GIVE_UP
+    assert after_failed_dump(DUMP_ATTEMPTS + 1, [ZOMBIE]) == GIVE_UP
+
+
+def test_any_other_error_gives_up_at_once() -> None:
+    assert after_failed_dump(1, [OTHER]) == GIVE_UP
+
+
+def test_no_log_lines_give_up() -> None:
+    assert after_failed_dump(1, []) == GIVE_UP
