@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.store.hot import DURABLE, HotTier
+from torpor.core.store import DURABLE
+from torpor.core.store.hot import HotTier
 from torpor.policy.hot import HotCopy, Room, Tier, after_durable, make_room
 
 MiB = 1 << 20

@@ -5,7 +5,8 @@ the cold tier, state ``durable``):
 
 * :func:`after_durable` — once an image became durable, which hot copies go: a hibernation's own
   (hibernating is for freeing memory), else the older durable copies of the same job (a restore wants a
-  job's newest checkpoint; older copies only hold RAM that the job, the next dump and the page cache need).
+  job's newest checkpoint; older copies only hold RAM that the job, the next dump and the page cache need:
+  dumps slowed down as such copies piled up).
 * :func:`make_room` — which durable copies go so that ``need`` more bytes fit: oldest first, until the
   tier stays within its capacity *and* its file system has the room.
 

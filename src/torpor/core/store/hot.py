@@ -12,9 +12,10 @@ The record (written atomically, format-versioned) holds the checkpoint's job, ea
 taken, BLAKE3 hash, and its state: ``staged`` (waiting for the destager), ``destaging`` (with bytes done),
 ``durable`` (a manifest is in the cold tier; the hot copy is only a cache now: the destager drops it
 once a newer checkpoint of the job is durable, and :meth:`HotTier.make_room` oldest first when the tier
-is over capacity; which copies go is :mod:`torpor.policy.hot`'s decision, the I/O is here). A hot image is verified when read back like any other: once durable,
-against its manifest's chunk hashes (the destager's one pass over the image both stores and hashes it);
-before that, against file hashes taken by the first restore — so that ``put`` costs only a rename.
+is over capacity — which copies go is :mod:`torpor.policy.hot`'s decision, the I/O is here). A hot image
+is verified when read back like any other: once durable, against its manifest's chunk hashes (the
+destager's one pass over the image both stores and hashes it); before that, against file hashes taken by
+the first restore — so that ``put`` costs only a rename.
 
 Whose folder it is. The default place, ``/dev/shm/torpor-<hash of home>``, is predictable, in a folder
 everyone may write, and holds a job's memory: another user who made it first could read images, swap
