@@ -13,13 +13,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import gpu, system
-from torpor.adapters.criu import Criu
+from torpor.adapters import system
 from torpor.apps import slurm
+from torpor.core import doctor
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.core.store import config as store_config
@@ -332,40 +331,8 @@ def store_report(settings: Settings) -> dict[str, Any]:
 
 
 def doctor_report(settings: Settings) -> dict[str, Any]:
-    """What works on this machine; every check is independent, so one failure does not hide the rest."""
-    report: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
-    criu: dict[str, Any] = {"path": str(settings.criu) if settings.criu else None}
-    try:
-        tool = Criu(settings.criu)
-        info = tool.require()
-        ok, said = tool.check()
-        criu.update(
-            version=info.version,
-            check_ok=ok,
-            check=said,
-            dirty_tracking=tool.has_feature("mem_dirty_track"),
-            lazy_pages=tool.has_feature("uffd-noncoop"),
-            nftables_lock=tool.has_feature("nftables"),
-        )
-    except TorporError as exc:
-        criu.update(check_ok=False, error=exc.message)
-    report["criu"] = criu
-    kernel = system.kernel_features()
-    report["kernel"] = asdict(kernel)
-    report["gpu_driver"] = gpu.driver_version()
-    report["gpu_checkpoint"] = "not supported yet (CPU jobs only)"
-    home_ok = (
-        os.access(settings.home, os.W_OK)
-        if settings.home.exists()
-        else os.access(_existing_parent(settings.home), os.W_OK)
-    )
-    report["home_writable"] = home_ok
-    if settings.home.exists():
-        report["home_free_bytes"] = system.disk_free(settings.home)
-    store = report["store"] = store_report(settings)
-    store_ok = store["config"] is not None and not store["environment_disagrees"]
-    report["ok"] = bool(criu.get("check_ok")) and home_ok and store_ok
-    return report
+    """What works on this machine (:func:`torpor.core.doctor.report`), with the store configuration's."""
+    return doctor.report(settings, store_report(settings))
 
 
 def _store_lines(report: dict[str, Any]) -> list[str]:
@@ -386,12 +353,6 @@ def _store_lines(report: dict[str, Any]) -> list[str]:
         for d in report["environment_disagrees"]
     ]
     return lines
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
@@ -433,7 +394,7 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
         + (f", {human_bytes(free)} free" if free is not None else "")
     )
     store = report["store"]
-    store_ok = store["config"] is not None and not store["environment_disagrees"]
+    store_ok = doctor.store_ok(store)
     for n, line in enumerate(_store_lines(store)):
         print(f"{mark(store_ok)} {line}" if n == 0 else f"    {line}")
     print(

@@ -25,6 +25,9 @@ Because Slurm truncates the output file when it starts a requeued job (the defau
 a restored run first replays the job's earlier output, so the file ends up as if the job had never
 stopped. With ``--open-mode=append`` the earlier output is still there and is not repeated.
 
+What to restore, when to start cold and whether to requeue are :mod:`torpor.policy.slurm`'s decisions;
+this module reads the environment, the records and Slurm, acts on them and writes what it did.
+
 Slurm's SIGTERM reaches every process of the job, not just this one: the job's main process ignores it
 (it is PID 1 of its own PID namespace and has no handler), and torpor's launcher is started with SIGTERM
 ignored; child processes of the job that do not handle SIGTERM die before the checkpoint. Preempting
@@ -52,6 +55,8 @@ from torpor.adapters import slurm
 from torpor.core.engine import Engine
 from torpor.core.records import Checkpoint, Job, JobState
 from torpor.errors import TorporError, UsageError
+from torpor.policy import slurm as policy
+from torpor.policy.slurm import After
 
 PREFIX = "torpor slurm"
 _ENDED = frozenset({JobState.EXITED, JobState.FAILED})
@@ -80,13 +85,8 @@ class SlurmJob:
             raise UsageError(f"SLURM_RESTART_COUNT is {restarts!r}, not a number")
         return cls(job_id, int(restarts))
 
-    @property
-    def base_name(self) -> str:
-        """The torpor job of the first run; a cold restart runs as ``<base>-r<restart>``."""
-        return f"slurm-{self.job_id}"
-
     def owns(self, torpor_job: str) -> bool:
-        return torpor_job == self.base_name or torpor_job.startswith(self.base_name + "-r")
+        return policy.owns(self.job_id, torpor_job)
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,8 @@ class Supervisor:
     def _install_signal_handlers(self) -> None:
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        for name in policy.SIGNALS:
+            signal.signal(signal.Signals[name], self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
@@ -219,7 +219,7 @@ class Supervisor:
 
     def _start(self) -> _Start:
         """Restore the newest usable checkpoint on a restart, else start cold."""
-        if self.job.restart_count == 0:
+        if not policy.restores(self.job.restart_count):
             self._forget_earlier_jobs_with_this_id()
         else:
             restored = self._restore_newest()
@@ -228,9 +228,8 @@ class Supervisor:
         return _Start(self._cold_start(), replay_to=None, follow_from=0)
 
     def _checkpoints(self) -> list[Checkpoint]:
-        """This Slurm job's checkpoints, newest first (over all its incarnations)."""
-        found = [c for c in self.engine.records.checkpoints() if self.job.owns(c.job)]
-        return sorted(found, key=lambda c: c.created_at, reverse=True)
+        """This Slurm job's checkpoints in the order a restart tries them (over all its incarnations)."""
+        return policy.restore_order(self.job.job_id, self.engine.records.checkpoints())
 
     def _restore_newest(self) -> _Start | None:
         candidates = self._checkpoints()
@@ -246,11 +245,8 @@ class Supervisor:
                 with self._term_ignored():
                     _, _, seconds = self.engine.restore(checkpoint.job, checkpoint.id)
             except TorporError as exc:
-                fallback = (
-                    f"the previous checkpoint {candidates[index + 1].id}"
-                    if index + 1 < len(candidates)
-                    else "a cold start"
-                )
+                previous = policy.fallback(candidates, index)
+                fallback = f"the previous checkpoint {previous.id}" if previous else "a cold start"
                 self.say(
                     f"restoring checkpoint {checkpoint.id} failed: {exc.message}; falling back to {fallback}"
                 )
@@ -269,14 +265,7 @@ class Supervisor:
 
     def _cold_start(self) -> str:
         taken = {job.name for job in self.engine.records.jobs()}
-        name = (
-            self.job.base_name
-            if self.job.restart_count == 0
-            else f"{self.job.base_name}-r{self.job.restart_count}"
-        )
-        unique, n = name, 2
-        while unique in taken:
-            unique, n = f"{name}-{n}", n + 1
+        unique = policy.cold_start_name(self.job.job_id, self.job.restart_count, taken)
         with self._term_ignored():
             job = self.engine.run(unique, self.command, self.cwd)
         self.say(f"started {' '.join(self.command)} as torpor job {job.name} (pid {job.pid})")
@@ -372,11 +361,9 @@ class Supervisor:
     # -- preemption, requeue, hold --------------------------------------------------------------------
 
     def _stop_for_slurm(self, name: str, signum: int, log: IO[bytes]) -> int:
-        hold = signum == signal.SIGUSR2
-        what = "hold" if hold else "requeue"
-        self.say(
-            f"received {signal.Signals(signum).name} at {time.time():.3f}: hibernating the job, then {what}"
-        )
+        received = signal.Signals(signum).name
+        what = policy.intent(received).value  # "hold" or "requeue"
+        self.say(f"received {received} at {time.time():.3f}: hibernating the job, then {what}")
         try:
             checkpoint = self.engine.checkpoint(name, hibernate=True)
         except TorporError as exc:
@@ -404,25 +391,30 @@ class Supervisor:
             )
         self._forward(log)
         self._save_output_state(log)
-        return self._requeue(hold, signum)
+        return self._requeue(received)
 
-    def _requeue(self, hold: bool, signum: int) -> int:
+    def _requeue(self, received: str) -> int:
+        """Requeue or hold the Slurm job as the policy says after the signal ``received``."""
         job_id = self.job.job_id
-        if signum == signal.SIGTERM:
+        state = None
+        if policy.asks_slurm(received):
             try:
                 info = slurm.job_info(job_id)
             except TorporError as exc:
                 self.say(f"cannot ask Slurm about job {job_id}: {exc.message}; not requeueing it")
                 return 1
-            if info.restarts > self.job.restart_count:
-                self.say("Slurm is requeueing the job itself; the next run restores it")
-                return 0
-            if info.state != "RUNNING":
-                self.say(
-                    f"Slurm is ending the job ({info.state}); it stays hibernated: "
-                    f"'scontrol requeue {job_id}' brings it back where it was"
-                )
-                return 0
+            state = policy.SlurmState(info.state, info.restarts)
+        after = policy.after_stop(received, self.job.restart_count, state)
+        if after is After.SLURM_REQUEUES:
+            self.say("Slurm is requeueing the job itself; the next run restores it")
+            return 0
+        if after is After.SLURM_ENDS and state is not None:
+            self.say(
+                f"Slurm is ending the job ({state.state}); it stays hibernated: "
+                f"'scontrol requeue {job_id}' brings it back where it was"
+            )
+            return 0
+        hold = after is After.HOLD
         try:
             slurm.requeue(job_id, hold=hold)
         except TorporError as exc:

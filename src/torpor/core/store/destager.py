@@ -10,6 +10,9 @@ looks again — so no staged image is ever left behind by a race.
 Crash recovery is the normal path: a destager killed mid-way leaves its image staged in the hot tier and
 some chunks in the cold tier, but no manifest, so the image is never listed as durable there. The next
 destager stores it again (chunks already stored are skipped) and removes leftovers of dead dumps.
+
+Which RAM copies go once an image is durable, and which go to make room, is decided by
+:mod:`torpor.policy.hot`; the destager removes them and says so in its log.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from pathlib import Path
 
 from torpor.adapters import system
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
-from torpor.core.store.hot import HotRecord, dumped_pids, owner_alive, tier_error
+from torpor.core.store.hot import HotRecord, as_copy, dumped_pids, owner_alive, tier_error
 from torpor.core.store.repository import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
+from torpor.policy import hot as hot_policy
 from torpor.settings import Settings
 
 #: how long a destager waits for a dump in progress before it leaves the image to the one ``put`` starts
@@ -78,18 +82,15 @@ def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None =
         f"{record.id} ({record.job}) durable: {total / 2**20:.1f} MiB in {seconds:.2f} s, "
         f"{int(manifest.sizes.get('new_bytes', 0)) / 2**20:.1f} MiB new"
     )
-    if record.meta.get("kind") == "hibernate":
-        # hibernation is for freeing memory: once the image is durable its RAM copy goes too
-        # (a restore already linking it keeps its links; a later one reads the cold tier)
-        hot.remove(record.id)
-        _log(f"{record.id} ({record.job}) hibernated: dropped its RAM copy")
-        return
-    # a restore wants a job's newest checkpoint: older durable copies of the job only hold RAM, which
-    # the job, the next dump and the page cache need (dumps here slowed down as such copies piled up)
-    for older in hot.records():
-        if older.job == record.job and older.state == DURABLE and older.created_at < record.created_at:
-            hot.remove(older.id)
-            _log(f"{older.id} ({older.job}) dropped its RAM copy: {record.id} is newer and durable")
+    # which RAM copies go is the policy's (a restore already linking one keeps its links; a later one
+    # reads the cold tier)
+    others = [as_copy(other) for other in hot.records()]
+    for checkpoint_id in hot_policy.after_durable(as_copy(record), others):
+        hot.remove(checkpoint_id)
+        if checkpoint_id == record.id:
+            _log(f"{record.id} ({record.job}) hibernated: dropped its RAM copy")
+        else:  # an older copy of the same job
+            _log(f"{checkpoint_id} ({record.job}) dropped its RAM copy: {record.id} is newer and durable")
 
 
 def _dump_over(partial: Path, deadline: float) -> bool:

@@ -12,9 +12,10 @@ The record (written atomically, format-versioned) holds the checkpoint's job, ea
 taken, BLAKE3 hash, and its state: ``staged`` (waiting for the destager), ``destaging`` (with bytes done),
 ``durable`` (a manifest is in the cold tier; the hot copy is only a cache now: the destager drops it
 once a newer checkpoint of the job is durable, and :meth:`HotTier.make_room` oldest first when the tier
-is over capacity). A hot image is verified when read back like any other: once durable,
-against its manifest's chunk hashes (the destager's one pass over the image both stores and hashes it);
-before that, against file hashes taken by the first restore — so that ``put`` costs only a rename.
+is over capacity — which copies go is :mod:`torpor.policy.hot`'s decision, the I/O is here). A hot image
+is verified when read back like any other: once durable, against its manifest's chunk hashes (the
+destager's one pass over the image both stores and hashes it); before that, against file hashes taken by
+the first restore — so that ``put`` costs only a rename.
 
 Whose folder it is. The default place, ``/dev/shm/torpor-<hash of home>``, is predictable, in a folder
 everyone may write, and holds a job's memory: another user who made it first could read images, swap
@@ -62,6 +63,7 @@ from torpor.errors import (
     TorporError,
     UnsafePath,
 )
+from torpor.policy import hot as hot_policy
 
 RECORD = ".torpor.json"
 OWNER = ".owner"
@@ -90,6 +92,14 @@ class HotRecord:
     @property
     def size(self) -> int:
         return sum(int(size) for size, _ in self.files.values())
+
+
+def as_copy(record: HotRecord, size: int = 0) -> hot_policy.HotCopy:
+    """The hot-tier policy's view of ``record``, which takes ``size`` bytes in the tier."""
+    kind = record.meta.get("kind")
+    return hot_policy.HotCopy(
+        record.id, record.job, record.state, record.created_at, str(kind) if kind else None, size
+    )
 
 
 def hash_file(path: Path) -> str:
@@ -429,14 +439,21 @@ class HotTier:
     # -- capacity -----------------------------------------------------------------------------------
 
     def used(self) -> int:
-        total = 0
+        return sum(self._used_by_entry().values())
+
+    def _used_by_entry(self) -> dict[str, int]:
+        """Bytes taken in the tier by each of its entries (an image's folder counts as one), in one walk."""
+        found: dict[str, int] = {}
         if not self.exists():
-            return 0
+            return found
         for dirpath, _dirs, filenames in os.walk(self.root):
+            top = os.path.relpath(dirpath, self.root).split(os.sep)[0]
             for name in filenames:
                 with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-        return total
+                    entry = name if top == os.curdir else top
+                    blocks = os.lstat(os.path.join(dirpath, name)).st_blocks
+                    found[entry] = found.get(entry, 0) + blocks * 512
+        return found
 
     def free_bytes(self) -> int:
         """Room left on the hot tier's file system (others may use it too, e.g. all of /dev/shm)."""
@@ -449,19 +466,20 @@ class HotTier:
     def make_room(self, need: int) -> bool:
         """Drop durable hot copies, oldest first, until ``need`` more bytes fit; whether they do.
 
-        They fit when the tier stays within its capacity *and* its file system has the room.
+        Which copies go is :func:`torpor.policy.hot.make_room`'s decision, on the tier measured once here.
         """
-        capacity = self.capacity
-
-        def fits() -> bool:
-            return self.used() + need <= capacity and need <= self.free_bytes()
-
-        for record in self.records():
-            if fits():
-                return True
-            if record.state == DURABLE:
-                self.remove(record.id)
-        return fits()
+        records = self.records()
+        sizes = self._used_by_entry()
+        tier = hot_policy.Tier(
+            copies=[as_copy(record, sizes.get(record.id, 0)) for record in records],
+            used=sum(sizes.values()),
+            capacity=self.capacity,
+            free=self.free_bytes(),
+        )
+        room = hot_policy.make_room(tier, need)
+        for checkpoint_id in room.drop:
+            self.remove(checkpoint_id)
+        return room.fits
 
     # -- reading back -------------------------------------------------------------------------------
 

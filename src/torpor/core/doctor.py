@@ -1,0 +1,74 @@
+"""What works on this machine for torpor: CRIU and its features, the kernel, the GPU driver, the state
+directory and the store configuration — gathered for ``torpor doctor``.
+
+It asks the adapters (CRIU, the GPU driver, the system) and returns plain data: the report's keys are
+what ``torpor doctor --json`` prints. Every check is independent, so one failure does not hide the rest.
+Rendering the report, and reading the store configuration's own report, are the CLI's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from torpor import __version__
+from torpor.adapters import gpu, system
+from torpor.adapters.criu import Criu
+from torpor.errors import TorporError
+from torpor.settings import Settings
+
+#: what the report says of checkpointing GPU memory
+GPU_CHECKPOINT = "not supported yet (CPU jobs only)"
+
+
+def store_ok(store: Mapping[str, Any]) -> bool:
+    """Whether a store configuration report (``torpor store --json``) lets torpor checkpoint."""
+    return store["config"] is not None and not store["environment_disagrees"]
+
+
+def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
+    """What works here; ``store`` is the store configuration's report, taken into the result as is."""
+    result: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
+    criu = result["criu"] = _criu(settings)
+    result["kernel"] = asdict(system.kernel_features())
+    result["gpu_driver"] = gpu.driver_version()
+    result["gpu_checkpoint"] = GPU_CHECKPOINT
+    home_ok = (
+        os.access(settings.home, os.W_OK)
+        if settings.home.exists()
+        else os.access(_existing_parent(settings.home), os.W_OK)
+    )
+    result["home_writable"] = home_ok
+    if settings.home.exists():
+        result["home_free_bytes"] = system.disk_free(settings.home)
+    result["store"] = store
+    result["ok"] = bool(criu.get("check_ok")) and home_ok and store_ok(store)
+    return result
+
+
+def _criu(settings: Settings) -> dict[str, Any]:
+    criu: dict[str, Any] = {"path": str(settings.criu) if settings.criu else None}
+    try:
+        tool = Criu(settings.criu)
+        info = tool.require()
+        ok, said = tool.check()
+        criu.update(
+            version=info.version,
+            check_ok=ok,
+            check=said,
+            dirty_tracking=tool.has_feature("mem_dirty_track"),
+            lazy_pages=tool.has_feature("uffd-noncoop"),
+            nftables_lock=tool.has_feature("nftables"),
+        )
+    except TorporError as exc:
+        criu.update(check_ok=False, error=exc.message)
+    return criu
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

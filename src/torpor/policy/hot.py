@@ -1,0 +1,98 @@
+"""Which images leave the hot tier, and when: RAM is for the job, the next dump and a fast restore.
+
+Two decisions, both about copies of images in RAM that are no longer the only copy (their manifest is in
+the cold tier, state ``durable``):
+
+* :func:`after_durable` — once an image became durable, which hot copies go: a hibernation's own
+  (hibernating is for freeing memory), else the older durable copies of the same job (a restore wants a
+  job's newest checkpoint; older copies only hold RAM that the job, the next dump and the page cache need:
+  dumps slowed down as such copies piled up).
+* :func:`make_room` — which durable copies go so that ``need`` more bytes fit: oldest first, until the
+  tier stays within its capacity *and* its file system has the room.
+
+Both are pure: they work on the sizes and states they are given and return ids to drop. Measuring the
+tier, removing folders and logging are :class:`torpor.core.store.hot.HotTier`'s and the destager's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: the state of a hot copy whose manifest is in the cold tier (as :mod:`torpor.core.store.base` names it)
+DURABLE = "durable"
+
+#: the kind of checkpoint whose RAM copy goes as soon as it is durable
+HIBERNATE = "hibernate"
+
+
+@dataclass(frozen=True)
+class HotCopy:
+    """One image in the hot tier, as the decisions see it."""
+
+    id: str
+    job: str
+    #: ``staged``, ``destaging`` or ``durable``: only a durable copy may be dropped
+    state: str
+    created_at: float
+    #: the checkpoint's kind (``hibernate``, …); ``None`` when its record does not say
+    kind: str | None = None
+    #: bytes it takes in the tier: what dropping it gives back
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The hot tier as measured once: its copies, and the bytes it and its file system have."""
+
+    copies: Sequence[HotCopy]
+    #: bytes the whole tier takes now (its copies, and dumps or restores in progress)
+    used: int
+    #: the most bytes the tier may take
+    capacity: int
+    #: bytes free on the tier's file system (others may use it too, e.g. all of /dev/shm)
+    free: int
+
+
+@dataclass(frozen=True)
+class Room:
+    """What :func:`make_room` decided: the copies to drop, oldest first, and whether ``need`` then fits."""
+
+    drop: tuple[str, ...]
+    fits: bool
+
+
+def after_durable(copy: HotCopy, others: Sequence[HotCopy]) -> tuple[str, ...]:
+    """The ids of the hot copies to drop now that ``copy`` is durable (``others``: the tier's copies).
+
+    A hibernation's own copy goes, and nothing else; any other checkpoint makes the older durable
+    copies of its job go, in the order given.
+    """
+    if copy.kind == HIBERNATE:
+        return (copy.id,)
+    return tuple(
+        other.id
+        for other in others
+        if other.job == copy.job and other.state == DURABLE and other.created_at < copy.created_at
+    )
+
+
+def make_room(tier: Tier, need: int) -> Room:
+    """Durable copies to drop, oldest first, until ``need`` more bytes fit; and whether they then do.
+
+    They fit when the tier stays within its capacity and its file system has the room. A dropped copy
+    gives back its ``size`` to both; copies that are not durable are kept, however old.
+    """
+    used, free = tier.used, tier.free
+    drop: list[str] = []
+
+    def fits() -> bool:
+        return used + need <= tier.capacity and need <= free
+
+    for copy in sorted(tier.copies, key=lambda c: c.created_at):
+        if fits():
+            return Room(tuple(drop), True)
+        if copy.state == DURABLE:
+            drop.append(copy.id)
+            used, free = used - copy.size, free + copy.size
+    return Room(tuple(drop), fits())
