@@ -34,7 +34,7 @@ from torpor.core.records import (
     JobName,
     JobState,
 )
-from torpor.core.restore import prepare_world, release_gated, release_streamed
+from torpor.core.restore import LAZY_KILL, prepare_world, release_gated, release_streamed
 from torpor.core.store import (
     DURABLE,
     Check,
@@ -48,6 +48,7 @@ from torpor.core.store import (
 from torpor.core.store import config as store_config
 from torpor.errors import (
     CheckpointNotFound,
+    LauncherUnreachable,
     RestoreFailed,
     TorporError,
     UsageError,
@@ -370,10 +371,17 @@ class Engine:
         A damaged chunk is met only when the job touches its pages, after ``restore`` returned: torpor
         kills the job then (it must not run on memory it cannot get) and this says why.
         """
-        reply = control.wait_lazy(self.settings.socket_path(name), on_progress=progress)
-        if reply.killed:
+        try:
+            killed = control.wait_lazy(self.settings.socket_path(name), on_progress=progress).killed
+        except LauncherUnreachable:
+            # the job ended (and its launcher with it) before we asked: its record says how
+            job = self.reconcile(self.records.job(name))
+            if job.state in SUPERVISED_STATES:
+                raise
+            killed = job.message if job.message and job.message.startswith(LAZY_KILL) else None
+        if killed:
             raise RestoreFailed(
-                f"the lazily restored job '{name}' was killed: {reply.killed}",
+                f"the lazily restored job '{name}' was killed: {killed}",
                 details=["its checkpoints are kept; 'torpor ps' shows it failed"],
             )
 

@@ -32,6 +32,9 @@ from torpor.core.records import CheckpointId, Job
 from torpor.core.store import Check, PageSource, PageStream
 from torpor.errors import RestoreFailed, StoreError, TorporError
 
+#: how the record of a job torpor killed because a lazy restore could not bring its memory in begins
+LAZY_KILL = "lazy restore failed, the job was killed"
+
 
 def restore_into_launcher(
     ctx: Context,
@@ -61,7 +64,7 @@ def restore_into_launcher(
         # memory the daemon can no longer get would read as zeros: the job must not run on
         restored.wait(60)
         message = exc.message if isinstance(exc, TorporError) else str(exc)
-        ctx.killed_because = f"lazy restore failed, the job was killed: {message}"
+        ctx.killed_because = f"{LAZY_KILL}: {message}"
         for pid in root:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
