@@ -46,7 +46,8 @@ from pathlib import Path
 from benchdoc import DOC, dir_bytes, median, say, wait_for, write_section
 
 from torpor.adapters import system
-from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu, read_dump_stats
+from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu
+from torpor.adapters.criuimage import read_dump_stats
 from torpor.core.engine import Engine
 from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings

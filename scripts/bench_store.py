@@ -134,7 +134,8 @@ class Bench:
         self, name: str, leave_running: bool = True, fsync: bool = False, into: Path | None = None
     ) -> tuple[float, float, int, Path]:
         """(frozen s, wall s incl. fsync if asked, image bytes, folder) of a raw dump of job ``name``."""
-        from torpor.adapters.criu import Criu, read_dump_stats
+        from torpor.adapters.criu import Criu
+        from torpor.adapters.criuimage import read_dump_stats
 
         pid = self.engine.records.job(name).pid
         self.n += 1
@@ -337,7 +338,7 @@ class Bench:
 
     def destager(self) -> None:
         say("== destager throughput ==")
-        from torpor.core.store.backend import FolderBackend
+        from torpor.adapters.folder import FolderBackend
         from torpor.core.store.repository import Repository
 
         name = "tp"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import MountTmpfs, Torpor, python_job
+from torpor.adapters.folder import FolderBackend
 from torpor.core.store import config
-from torpor.core.store.backend import FolderBackend
 from torpor.core.store.repository import Repository
 from torpor.errors import EnvironmentProblem, UsageError
 from torpor.settings import Settings, parse_bytes

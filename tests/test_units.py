@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TORPOR
-from torpor.adapters import criu
+from torpor.adapters import criu, criuimage
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
@@ -117,10 +117,10 @@ def image(*records: bytes) -> bytes:
 def test_dump_stats_are_read_from_stats_dump(tmp_path: Path) -> None:
     dump = field(1, 1500) + field(2, 250_000) + field(3, 1000) + field(4, 2000) + field(7, 4096)
     (tmp_path / "stats-dump").write_bytes(image(field(1, dump)))
-    stats = criu.read_dump_stats(tmp_path)
+    stats = criuimage.read_dump_stats(tmp_path)
     assert stats.frozen_s == pytest.approx(0.25) and stats.freezing_s == pytest.approx(0.0015)
     assert stats.pages_written == 4096
-    assert criu.read_dump_stats(tmp_path / "missing").frozen_s == 0.0
+    assert criuimage.read_dump_stats(tmp_path / "missing").frozen_s == 0.0
 
 
 def test_open_files_and_socket_paths_are_read_from_files_img(tmp_path: Path) -> None:
@@ -136,20 +136,20 @@ def test_open_files_and_socket_paths_are_read_from_files_img(tmp_path: Path) -> 
             field(1, 5) + field(2, 10) + field(16, unix),
         )
     )
-    files = {f.path: f for f in criu.open_files(tmp_path)}
-    assert files["/data/metrics.csv"] == criu.OpenFile("/data/metrics.csv", True, 123)
+    files = {f.path: f for f in criuimage.open_files(tmp_path)}
+    assert files["/data/metrics.csv"] == criuimage.OpenFile("/data/metrics.csv", True, 123)
     assert not files["/usr/lib/libc.so.6"].writable
     assert files["/var/log/job.log"].size is None
     assert files["/var/log/job.log"].append and files["/var/log/job.log"].pos == 4567
     assert not files["/data/metrics.csv"].append
-    assert criu.unix_socket_paths(tmp_path) == ["/tmp/pymp-x/listener"]
+    assert criuimage.unix_socket_paths(tmp_path) == ["/tmp/pymp-x/listener"]
 
 
 def test_the_size_at_the_checkpoint_of_appended_files_is_the_furthest_offset_that_wrote() -> None:
     def opened(
         path: str, size: int | None, append: bool = False, pos: int = 0, writable: bool = True
-    ) -> criu.OpenFile:
-        return criu.OpenFile(path, writable, size, append, pos)
+    ) -> criuimage.OpenFile:
+        return criuimage.OpenFile(path, writable, size, append, pos)
 
     sizes = written_sizes(
         [

@@ -18,12 +18,8 @@ from pathlib import Path
 
 from torpor.adapters import system
 
-# CRIU's images are read in criuimage.py: the dump statistics for dump(), the rest re-exported here
-from torpor.adapters.criuimage import DumpStats as DumpStats
-from torpor.adapters.criuimage import OpenFile as OpenFile
-from torpor.adapters.criuimage import open_files as open_files
-from torpor.adapters.criuimage import read_dump_stats as read_dump_stats
-from torpor.adapters.criuimage import unix_socket_paths as unix_socket_paths
+# CRIU's images are read in criuimage.py: dump() returns the statistics of its stats-dump image
+from torpor.adapters.criuimage import DumpStats, read_dump_stats
 from torpor.errors import (
     CheckpointFailed,
     CriuUnavailable,

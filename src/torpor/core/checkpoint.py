@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torpor.adapters import system
-from torpor.adapters.criu import Criu, DumpStats, log_excerpt
+from torpor.adapters.criu import Criu, log_excerpt
+from torpor.adapters.criuimage import DumpStats
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
 from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState

@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 
 from torpor.adapters import system
-from torpor.adapters.criu import OpenFile, RestoreGate, open_files, unix_socket_paths
+from torpor.adapters.criu import RestoreGate
+from torpor.adapters.criuimage import OpenFile, open_files, unix_socket_paths
 from torpor.adapters.imagestreamer import ImageStreamer
 from torpor.adapters.pageserver import PageServer
 from torpor.core.context import Context, Progress

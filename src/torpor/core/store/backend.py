@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from torpor.adapters.folder import FolderBackend as FolderBackend
+from torpor.adapters.folder import FolderBackend
 from torpor.errors import UsageError
 
 #: for :meth:`Backend.load_into`: new bytes, always

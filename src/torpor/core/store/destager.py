@@ -29,7 +29,7 @@ from pathlib import Path
 from torpor.adapters import system
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
 from torpor.core.store.hot import HotRecord, as_copy, dumped_pids, owner_alive, tier_error
-from torpor.core.store.repository import Prestored
+from torpor.core.store.prestore import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
 from torpor.policy import hot as hot_policy

@@ -44,7 +44,6 @@ from torpor.core.store.objects import HEADER, KIND_MANIFEST, Codec
 from torpor.core.store.packs import ChunkMap, Location, Packs, Storer
 
 # where Repository.write takes what Repository.prestore stored; importable from here as before
-from torpor.core.store.prestore import Prestored as Prestored
 from torpor.core.store.verify import chunk_plaintext
 from torpor.errors import CheckpointNotFound, CorruptImage, ObjectNotFound, StoreError
 
