@@ -17,22 +17,8 @@ is verified when read back like any other: once durable, against its manifest's 
 destager's one pass over the image both stores and hashes it); before that, against file hashes taken by
 the first restore — so that ``put`` costs only a rename.
 
-Whose folder it is. The default place, ``/dev/shm/torpor-<hash of home>``, is predictable, in a folder
-everyone may write, and holds a job's memory: another user who made it first could read images, swap
-them, or plant links where torpor writes. So the hot tier is torpor's only when it is a real folder (not a
-link), owned by torpor's user and private to it (no group or other bits), in a folder where nobody else
-can rename what it holds (not writable by others, or sticky like ``/dev/shm``). :meth:`HotTier.ensure`
-makes it so (``mkdir`` 0700, then torpor's tmpfs with ``mode=0700``) and checks it through an
-``O_DIRECTORY|O_NOFOLLOW`` descriptor, before and after mounting; anything else is refused with
-:class:`~torpor.errors.UnsafePath`, never ``chmod``-ed or ``chown``-ed, since someone else may have made
-it. Readers check it too: fully once per folder (its device and inode are remembered), and with one
-``lstat`` per call, which tells a folder replaced since (removed, then made again by someone else, even
-on the same inode number: its owner or mode differ).
-
-Files inside are not checked one by one: once the folder is verified nobody else can add an entry to it.
-Every file torpor writes there is still opened with ``O_NOFOLLOW`` (:func:`torpor.adapters.system.
-open_private`), so a link left there by anything (root itself, an older torpor's folder) redirects no
-write, and CRIU's images are private because torpor's processes run with umask 0o077.
+Whose folder it is — made private, checked to be torpor's own on every use, mounted — is
+:mod:`torpor.core.store.hotfolder`'s.
 """
 
 from __future__ import annotations
@@ -43,7 +29,6 @@ import fcntl
 import json
 import os
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -54,6 +39,8 @@ from typing import Any
 import blake3
 
 from torpor.adapters import system
+from torpor.core.store.base import STAGED
+from torpor.core.store.hotfolder import HotFolder
 from torpor.core.store.manifest import safe_file_name
 from torpor.errors import (
     CheckpointNotFound,
@@ -72,10 +59,6 @@ PIDS = ".pids"
 RECORD_FORMAT = "torpor-hot-image"
 RECORD_VERSION = 1
 
-STAGED = "staged"
-DESTAGING = "destaging"
-DURABLE = "durable"
-
 
 @dataclass(frozen=True)
 class HotRecord:
@@ -83,7 +66,7 @@ class HotRecord:
     job: str
     created_at: float
     files: dict[str, list[Any]]  # name -> [size, blake3 hex]
-    state: str = STAGED
+    state: str = STAGED  # an ImageState's value (the record is JSON)
     done_bytes: int = 0
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
@@ -139,34 +122,12 @@ def owner_alive(partial: Path) -> bool:
     return system.is_alive(pid)
 
 
-#: CRIU writes a dump into a tmpfs mounted with this about 1.4x faster than into plain /dev/shm
-#: (4 KiB pages) and faster than into a disk's page cache (docs/benchmarks.md); ``huge=always`` is slower
-#: and erratic (it compacts memory for every 2 MiB page)
-OWN_MOUNT_OPTIONS = "huge=within_size,mode=0700"
-
-
-def _folder_problem(st: os.stat_result) -> str | None:
-    """What makes a folder (``lstat``-ed) not one torpor may keep images in; ``None``: nothing."""
-    uid = os.geteuid()
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a folder"
-    if st.st_uid != uid:
-        return f"is owned by uid {st.st_uid}, not by torpor's user (uid {uid})"
-    if st.st_mode & 0o077:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users (torpor makes it 0700)"
-    return None
-
-
 class HotTier:
     def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
         self.root = root
         self._capacity = capacity
-        #: mount a tmpfs of our own (huge pages) on ``root``: only for the default place in /dev/shm
-        self.own_mount = own_mount
-        #: (device, inode) of the root folder once it was checked to be torpor's own
-        self._verified: tuple[int, int] | None = None
+        #: the folder itself; ``own_mount``: torpor's tmpfs on it (only for the default place in /dev/shm)
+        self.folder = HotFolder(root, own_mount)
 
     @property
     def capacity(self) -> int:
@@ -184,104 +145,16 @@ class HotTier:
         return self.root / checkpoint_id
 
     def ensure(self) -> None:
-        """Make the hot tier (0700, torpor's tmpfs on the default place) or check the one there is ours.
-
-        Raises :class:`~torpor.errors.UnsafePath` for a folder torpor did not make as it makes them.
-        """
-        try:
-            system.make_private_dirs(self.root.parent)  # a TORPOR_HOT_DIR may be missing still
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.root, 0o700)
-        except OSError as exc:
-            raise StoreError(f"cannot create the hot tier {self.root}: {exc.strerror}") from exc
-        fd, _ = self._open_root()
-        try:
-            if self.own_mount and not os.path.ismount(self.root):
-                self._mount(fd)
-        finally:
-            os.close(fd)
-        fd, checked = self._open_root()  # what is there now: torpor's tmpfs, or the folder it was made on
-        os.close(fd)
-        self._verified = (checked.st_dev, checked.st_ino)
+        """Make the hot tier, or check that the one there is torpor's own (see :mod:`.hotfolder`)."""
+        self.folder.ensure()
 
     def exists(self) -> bool:
         """Whether the hot tier is there; raises :class:`~torpor.errors.UnsafePath` if it is not ours."""
-        try:
-            st = os.lstat(self.root)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise StoreError(f"cannot look at the hot tier {self.root}: {exc.strerror}") from exc
-        # a new inode, or the same one reused by a folder made since (its owner or mode then tells)
-        if self._verified != (st.st_dev, st.st_ino) or _folder_problem(st) is not None:
-            fd, checked = self._open_root()
-            os.close(fd)
-            self._verified = (checked.st_dev, checked.st_ino)
-        return True
-
-    def _open_root(self) -> tuple[int, os.stat_result]:
-        """A descriptor of the root folder, checked (with its parent) to be torpor's own, and its stat."""
-        problem = system.replaceable_by_others(self.root.parent)
-        if problem is not None:
-            raise UnsafePath(
-                f"the hot tier {self.root} is not safe: {problem}; set TORPOR_HOT_DIR to a folder only "
-                "torpor's user can change"
-            )
-        try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise StoreError(f"cannot open the hot tier {self.root}: {exc.strerror}") from exc
-            try:
-                st = os.lstat(self.root)
-            except OSError:
-                raise StoreError(f"cannot open the hot tier {self.root}: {exc.strerror}") from exc
-            raise self._unsafe(_folder_problem(st) or "is not a folder") from exc
-        st = os.fstat(fd)
-        problem = _folder_problem(st)
-        if problem is not None:
-            os.close(fd)
-            raise self._unsafe(problem)
-        return fd, st
-
-    def _unsafe(self, problem: str) -> UnsafePath:
-        return UnsafePath(
-            f"the hot tier {self.root} {problem}: another user may have made it to read or change "
-            "checkpoints; torpor leaves it alone: remove it, or set TORPOR_HOT_DIR to a folder of your own"
-        )
+        return self.folder.exists()
 
     def remove_all(self) -> None:
-        """Delete the whole hot tier, images included, and unmount torpor's tmpfs if it has one.
-
-        A link, or a folder of another user's, at the hot tier's place is not torpor's: it is left alone.
-        """
-        try:
-            st = os.lstat(self.root)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid():
-            shutil.rmtree(self.root, ignore_errors=True)  # empties a mount point, cannot remove it
-            with contextlib.suppress(OSError):
-                system.unmount(self.root)
-            shutil.rmtree(self.root, ignore_errors=True)
-        self._verified = None
-        # the lock file an older torpor made beside the hot tier (unlink follows no link)
-        with contextlib.suppress(OSError):
-            (self.root.parent / f".{self.root.name}.mount-lock").unlink(missing_ok=True)
-
-    def _mount(self, fd: int) -> None:
-        """Mount our tmpfs on the (empty) hot folder ``fd``, once, even with several processes racing.
-
-        The lock is the checked folder itself (flock on its descriptor): a lock file beside it, in
-        world-writable /dev/shm, would be one more name another user could make first.
-        """
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.path.ismount(self.root) or os.listdir(fd):
-            return  # mounted by another process meanwhile, or an older plain hot tier in use
-        parent = os.statvfs(self.root.parent)
-        size = parent.f_blocks * parent.f_frsize  # the same limit as the file system it replaces
-        with contextlib.suppress(OSError):  # not root, or no tmpfs: a plain folder works, slower
-            system.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")
+        """Delete the whole hot tier, images included, and unmount torpor's tmpfs if it has one."""
+        self.folder.remove_all()
 
     # -- staging ------------------------------------------------------------------------------------
 
