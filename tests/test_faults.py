@@ -140,6 +140,7 @@ def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(
     assert_running_not_frozen(torpor, "old")
 
 
+@pytest.mark.root("mounting a tmpfs")
 def test_state_directory_not_writable(torpor: Torpor, tmpfs: object) -> None:
     readonly = tmpfs("ro", "ro,size=1m")  # type: ignore[operator]
     home = Torpor(readonly / "home", {**torpor.env, "TORPOR_HOME": str(readonly / "home")})

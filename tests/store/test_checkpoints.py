@@ -187,6 +187,7 @@ def test_several_jobs_checkpointed_at_once_while_gc_runs(torpor: Torpor, hot: Pa
         torpor.wait_for(lambda n=name, b=lines: torpor.log(n).count("\n") > b + 2, what=f"{name} to continue")
 
 
+@pytest.mark.s3
 def test_an_encrypted_s3_cold_tier(torpor: Torpor, hot: Path, s3_endpoint: str, tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_bytes(os.urandom(32))

@@ -77,6 +77,7 @@ def child(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
             process.stdout.close()
 
 
+@pytest.mark.root("page frame numbers in /proc/PID/pagemap are shown to root only")
 def test_the_pages_criu_dumps_are_found_and_read(child: tuple[int, int, int]) -> None:
     pid, anon, backed = child
     zero = procmem.zero_page_frame()
@@ -104,6 +105,7 @@ def test_a_running_process_is_not_stopped(child: tuple[int, int, int]) -> None:
     assert not procmem.stopped(99999999)
 
 
+@pytest.mark.root("page frame numbers in /proc/PID/pagemap are shown to root only")
 def test_prestore_stores_the_memory_of_stopped_processes(child: tuple[int, int, int], tmp_path: Path) -> None:
     pid, _, _ = child
     repo = Repository(FolderBackend(tmp_path / "store"))
