@@ -102,5 +102,20 @@ def torpor(tmp_path: Path) -> Iterator[Torpor]:
     shutil.rmtree(hot, ignore_errors=True)
 
 
+def holders(path: Path) -> list[int]:
+    """The processes that have ``path`` open: once there are none, nothing can write to it any more."""
+    target = str(path.resolve())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+    return found
+
+
 def python_job(script: str, *args: str) -> list[str]:
     return ["--", sys.executable, "-u", str(JOBS / script), *args]

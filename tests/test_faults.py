@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,7 +209,12 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     )
     assert proc.stderr is not None
     assert "dumping" in proc.stderr.readline()
-    time.sleep(0.3)
+    # kill it while the dump is really in progress: CRIU has seized (t) or torpor stopped (T) the job
+    torpor.wait_for(
+        lambda: any(system.process_state(p) in ("t", "T") for p in system.namespace_members(pid)),
+        timeout=60,
+        what="the dump to freeze the job",
+    )
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 4, stderr
