@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TORPOR
+from conftest import TORPOR, holders
 from torpor.adapters import criu
 from torpor.apps import cli
 from torpor.core.engine import written_sizes
@@ -280,3 +280,11 @@ def test_a_dump_that_met_an_exiting_process_is_tried_again(
             dump.dump(os.getpid(), images, tmp_path / "dump.log", leave_running=True)
     assert (tmp_path / "attempts").read_text().count("x") == attempts
     assert (images / ".owner").exists()  # torpor's own files survive a retry
+
+
+def test_holders_are_the_processes_that_have_the_file_open(tmp_path: Path) -> None:
+    """The tests that prove a job never wrote its log wait for this list to be empty: it must see a holder."""
+    path = tmp_path / "log"
+    with path.open("a"):
+        assert os.getpid() in holders(path)
+    assert os.getpid() not in holders(path)

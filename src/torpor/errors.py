@@ -9,7 +9,8 @@
     │   └── WrongState               e.g. checkpoint a hibernated job, resume a running one
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
-    │   └── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
+    │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
+    │   └── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
@@ -19,7 +20,8 @@
     │   ├── ObjectNotFound           a backend has no object of that name
     │   ├── KeyProblem               encryption key missing, unreadable or not the store's key
     │   └── StoreBusy                the store stayed locked by others (e.g. gc during writes)
-    └── LauncherUnreachable (7)      the job's launcher does not answer on its socket
+    ├── LauncherUnreachable (7)      the job's launcher does not answer on its socket
+    └── DemoFailed (1)               the demo's own check failed (its job ended, a step never came)
 
 Errors that reveal a bug in torpor are *not* TorporErrors, so no handler swallows them.
 """
@@ -70,6 +72,10 @@ class UnsafePath(EnvironmentProblem):
     """A place torpor would keep images or state in could be read or changed by someone else."""
 
 
+class SlurmCommandFailed(EnvironmentProblem):
+    """A Slurm client command failed (slurmctld unreachable, unknown job); ``details`` holds what it said."""
+
+
 class CheckpointFailed(TorporError):
     exit_code = 4
 
@@ -110,6 +116,12 @@ class LauncherUnreachable(TorporError):
     exit_code = 7
 
 
+class DemoFailed(TorporError):
+    """The demo's own check failed: its job ended early, a step never came, processes outlived hibernation."""
+
+    exit_code = 1
+
+
 _BY_NAME: dict[str, type[TorporError]] = {
     cls.__name__: cls
     for cls in (
@@ -121,6 +133,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         EnvironmentProblem,
         CriuUnavailable,
         UnsafePath,
+        SlurmCommandFailed,
         CheckpointFailed,
         JobExited,
         RestoreFailed,
@@ -131,6 +144,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         KeyProblem,
         StoreBusy,
         LauncherUnreachable,
+        DemoFailed,
     )
 }
 
