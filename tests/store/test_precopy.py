@@ -111,10 +111,14 @@ def test_prestore_stores_the_memory_of_stopped_processes(child: tuple[int, int, 
     repo = Repository(FolderBackend(tmp_path / "store"))
     dumping = tmp_path / "dumping"
     dumping.mkdir()  # nothing written by CRIU yet
-    began = time.monotonic()
-    prestored = Prestored()
-    repo.prestore(dumping, prestored, lambda: time.monotonic() - began > 2, memory_of=[pid])
     windows = list(procmem.windows(pid, MiB, procmem.zero_page_frame()))
+    prestored = Prestored()
+    deadline = time.monotonic() + 60
+
+    def done() -> bool:  # the dump is over once all the memory was read (if it never is, in a minute)
+        return prestored.memory_read >= sum(w.size for w in windows) or time.monotonic() > deadline
+
+    repo.prestore(dumping, prestored, done, memory_of=[pid])
     assert prestored.memory_read == sum(window.size for window in windows)
     expected = blake3.blake3(b"".join(bytes([page]) * PAGE for page in range(100))).hexdigest()
     assert expected in repo.stored_chunks()
