@@ -1,10 +1,14 @@
-# torpor: `make demo` and `make test` work on a fresh machine (they run `make setup` first).
+# torpor: `make demo` and `make test` work on a fresh machine (they run `make setup` first); `make unit` is
+# the fast loop.
 SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test lint typecheck contracts unit bench clean
+# the tests that need neither root, CRIU, Slurm, PyTorch nor an S3 server, and take a few seconds at most
+UNIT := not criu and not root and not slurm and not torch and not s3 and not slow
+
+.PHONY: setup demo test lint typecheck contracts unit suite bench clean
 
 setup: $(STAMP)
 
@@ -24,10 +28,15 @@ typecheck: setup
 contracts: setup
 	$(BIN)/lint-imports
 
+# the fast loop: any user, no cache written into the checkout (it may not be the caller's)
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -p no:cacheprovider -m "$(UNIT)"
 
-test: lint typecheck contracts unit
+# every test, as root; prints the slowest, and why any test was skipped
+suite: setup
+	$(BIN)/pytest -q -rs --durations=15
+
+test: lint typecheck contracts suite
 
 bench: setup
 	$(BIN)/python scripts/bench.py

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +122,7 @@ def test_checkpoint_refused_when_criu_too_old_or_missing_leaves_job_running(
     assert_running_not_frozen(torpor, "old")
 
 
+@pytest.mark.root("mounting a tmpfs")
 def test_state_directory_not_writable(torpor: Torpor, tmpfs: MountTmpfs) -> None:
     readonly = tmpfs("ro", "ro,size=1m")
     home = Torpor(readonly / "home", {**torpor.env, "TORPOR_HOME": str(readonly / "home")})
@@ -192,7 +192,12 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     )
     assert proc.stderr is not None
     assert "dumping" in proc.stderr.readline()
-    time.sleep(0.3)
+    # kill it while the dump is really in progress: CRIU has seized (t) or torpor stopped (T) the job
+    torpor.wait_for(
+        lambda: any(system.process_state(p) in ("t", "T") for p in system.namespace_members(pid)),
+        timeout=60,
+        what="the dump to freeze the job",
+    )
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 4, stderr

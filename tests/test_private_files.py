@@ -65,7 +65,7 @@ def test_an_older_homes_own_folders_are_tightened_and_a_strangers_refused(tmp_pa
             Context(settings)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another user")
+@pytest.mark.root("gives a folder to another user")
 def test_a_home_another_user_could_replace_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A home in (or below) a folder a stranger owns, or may rename entries in, is theirs to swap."""
     theirs = tmp_path / "theirs"
@@ -92,6 +92,7 @@ def test_a_home_another_user_could_replace_is_refused_before_anything_is_written
     assert mode(shared / "home") == 0o700
 
 
+@pytest.mark.root("a job runs in its own PID namespace")
 def test_the_job_keeps_its_callers_umask_while_its_log_is_private(torpor: Torpor, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -138,7 +139,7 @@ def test_images_logs_store_and_rewound_files_are_private(torpor: Torpor, tmp_pat
 
 
 @pytest.mark.criu
-@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+@pytest.mark.root("giving a folder to another user")
 def test_a_hot_tier_another_user_made_first_is_refused_and_the_job_runs_on(torpor: Torpor) -> None:
     hot = hot_root(torpor)
     hot.parent.mkdir(mode=0o755)

@@ -125,6 +125,7 @@ def test_a_store_url_without_a_bucket_is_refused_at_run(torpor: Torpor) -> None:
     assert torpor.json("ps") == []  # no job that could never store a checkpoint
 
 
+@pytest.mark.root("a job runs in its own PID namespace")
 def test_a_later_command_with_another_store_value_is_refused(torpor: Torpor, tmp_path: Path) -> None:
     torpor.run("run", "--name", "j1", "--", "sleep", "600")
     key = key_file(tmp_path / "k")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TORPOR
+from conftest import TORPOR, holders
 from torpor.adapters import criu, criuimage
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
@@ -197,6 +197,14 @@ def test_criu_version_is_checked(tmp_path: Path) -> None:
 # -- errors and CLI -----------------------------------------------------------------------------------------
 
 
+def test_a_private_error_crosses_the_launcher_boundary_as_its_nearest_public_class() -> None:
+    class _Private(CheckpointFailed):
+        pass
+
+    back = from_dict(_Private("it broke").to_dict())
+    assert type(back) is CheckpointFailed and back.exit_code == 4 and back.message == "it broke"
+
+
 def test_errors_cross_the_launcher_boundary() -> None:
     error = RestoreFailed("it broke", details=["line 1"])
     again = from_dict(error.to_dict())
@@ -282,3 +290,11 @@ def test_a_dump_that_met_an_exiting_process_is_tried_again(
             checkpointing.dump(dump, os.getpid(), images, tmp_path / "dump.log", leave_running=True)
     assert (tmp_path / "attempts").read_text().count("x") == attempts
     assert (images / ".owner").exists()  # torpor's own files survive a retry
+
+
+def test_holders_are_the_processes_that_have_the_file_open(tmp_path: Path) -> None:
+    """The tests that prove a job never wrote its log wait for this list to be empty: it must see a holder."""
+    path = tmp_path / "log"
+    with path.open("a"):
+        assert os.getpid() in holders(path)
+    assert os.getpid() not in holders(path)

@@ -10,7 +10,8 @@
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
     │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
-    │   └── JobStartFailed           the job could not be started: no PID namespace, its command won't exec
+    │   ├── JobStartFailed           the job could not be started: no PID namespace, its command won't exec
+    │   └── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
@@ -20,8 +21,9 @@
     │   ├── ObjectNotFound           a backend has no object of that name
     │   ├── KeyProblem               encryption key missing, unreadable or not the store's key
     │   └── StoreBusy                the store stayed locked by others (e.g. gc during writes)
-    └── LauncherUnreachable (7)      the job's launcher does not answer on its socket
-        └── LauncherFailed           a new launcher died before it reported (its log's last lines say why)
+    ├── LauncherUnreachable (7)      the job's launcher does not answer on its socket
+    │   └── LauncherFailed           a new launcher died before it reported (its log's last lines say why)
+    └── DemoFailed (1)               the demo's own check failed (its job ended, a step never came)
 
 Errors that reveal a bug in torpor are *not* TorporErrors, so no handler swallows them.
 """
@@ -41,7 +43,10 @@ class TorporError(Exception):
         self.details: list[str] = list(details or [])
 
     def to_dict(self) -> dict[str, object]:
-        return {"error": type(self).__name__, "message": self.message, "details": self.details}
+        # a class the other side cannot rebuild (a private one) crosses as its nearest mapped ancestor,
+        # so that its exit code survives
+        name = next(c.__name__ for c in type(self).__mro__ if _BY_NAME.get(c.__name__) is c)
+        return {"error": name, "message": self.message, "details": self.details}
 
 
 class UsageError(TorporError):
@@ -74,6 +79,10 @@ class UnsafePath(EnvironmentProblem):
 
 class JobStartFailed(EnvironmentProblem):
     """The launcher could not start the job: creating its PID namespace failed, or its command would not run."""
+
+
+class SlurmCommandFailed(EnvironmentProblem):
+    """A Slurm client command failed (slurmctld unreachable, unknown job); ``details`` holds what it said."""
 
 
 class CheckpointFailed(TorporError):
@@ -120,6 +129,12 @@ class LauncherFailed(LauncherUnreachable):
     """A launcher died before reporting that it started (or restored) the job."""
 
 
+class DemoFailed(TorporError):
+    """The demo's own check failed: its job ended early, a step never came, processes outlived hibernation."""
+
+    exit_code = 1
+
+
 _BY_NAME: dict[str, type[TorporError]] = {
     cls.__name__: cls
     for cls in (
@@ -132,6 +147,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         CriuUnavailable,
         UnsafePath,
         JobStartFailed,
+        SlurmCommandFailed,
         CheckpointFailed,
         JobExited,
         RestoreFailed,
@@ -143,6 +159,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         StoreBusy,
         LauncherUnreachable,
         LauncherFailed,
+        DemoFailed,
     )
 }
 

@@ -159,6 +159,7 @@ CASES = {
 }
 
 
+@pytest.mark.root("mounting a tmpfs")
 @pytest.mark.parametrize("case", CASES)
 def test_the_tier_drops_what_it_dropped_when_it_measured_after_each_removal(
     case: str, tmpfs_pair: tuple[Path, Path]

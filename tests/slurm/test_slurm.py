@@ -129,7 +129,10 @@ def test_hibernate_instead_of_suspend_frees_memory_until_resumed(jobs: SlurmJobs
     assert in_ram < 2**20
     node = jobs.cluster.run(["scontrol", "show", "node", "-o"]).stdout
     assert "CPUAlloc=0 " in node
-    time.sleep(2)  # it stays held: Slurm does not start it on its own
+    # it stays held: Slurm runs a job submitted after it on the free node, and does not start this one
+    later = jobs.cluster.sbatch(["--partition=low", f"--output={jobs.folder}/%j.out", "--wrap", "true"])
+    jobs.submitted.append(later)
+    assert jobs.wait_done(later) == "COMPLETED"
     assert jobs.cluster.state(job) == "PENDING"
 
     jobs.torpor("slurm", "resume", job)

@@ -76,7 +76,7 @@ def s3_backend(endpoint: str, bucket: str | None = None) -> Backend:
     return S3Backend(bucket or f"b{uuid.uuid4().hex[:12]}", "torpor/test", endpoint=endpoint)
 
 
-@pytest.fixture(params=["folder", "s3"])
+@pytest.fixture(params=["folder", pytest.param("s3", marks=pytest.mark.s3)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """Every backend, for the contract tests (and the repository tests that run on both)."""
     if request.param == "folder":

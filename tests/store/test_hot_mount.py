@@ -4,7 +4,6 @@ faster than into /dev/shm itself); it is mounted once, and never over a folder a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,7 @@ def test_default_hot_tier_is_a_huge_page_tmpfs(torpor: Torpor) -> None:
     assert mount_options(hot) is None and not hot.exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+@pytest.mark.root("mounting a tmpfs")
 def test_mounts_once_and_never_over_a_folder_in_use(tmp_path: Path) -> None:
     root = tmp_path / "hot"
     try:

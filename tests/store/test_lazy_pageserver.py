@@ -17,14 +17,13 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import Torpor
+from conftest import Torpor, holders
 from torpor.adapters.criu import Criu
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.pageserver import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
@@ -224,7 +223,9 @@ def test_a_failed_read_calls_on_failure_before_criu_sees_the_socket_close() -> N
         raise CorruptImage("checkpoint c is damaged: a chunk does not match its content hash")
 
     def on_failure(exc: BaseException) -> None:
-        time.sleep(0.2)  # CRIU must still be waiting here: killing the tree comes first
+        # CRIU must still be waiting here: killing the tree comes first, the socket is not closed yet
+        with contextlib.suppress(BlockingIOError):  # nothing to read on CRIU's end: still open
+            events.append(f"readable: {criu_end.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)!r}")
         events.append(f"killed after {type(exc).__name__}")
 
     server, criu_end = PageServer.pair(read, on_failure=on_failure)
@@ -373,7 +374,9 @@ def test_a_corrupt_chunk_kills_the_lazily_restored_tree_before_it_sees_wrong_mem
     assert restore.daemon.wait(timeout=60) != 0
     assert restore.pid is not None
     torpor.wait_for(lambda: _gone(restore.pid), what="the restored tree to be killed")
-    time.sleep(1.5)  # it would have printed a digest by now
+    # once no process has the log open, nothing can print to it: a digest printed before is there now
+    log = torpor.home / "jobs" / "bad" / "output.log"
+    torpor.wait_for(lambda: not holders(log), what="no process to hold the job's log")
     assert digests(torpor.log("bad"))[lines:] == []
     assert set(digests(torpor.log("bad"))) == {digest}
 

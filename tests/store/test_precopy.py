@@ -78,6 +78,7 @@ def child(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
             process.stdout.close()
 
 
+@pytest.mark.root("page frame numbers in /proc/PID/pagemap are shown to root only")
 def test_the_pages_criu_dumps_are_found_and_read(child: tuple[int, int, int]) -> None:
     pid, anon, backed = child
     zero = procmem.zero_page_frame()
@@ -105,15 +106,20 @@ def test_a_running_process_is_not_stopped(child: tuple[int, int, int]) -> None:
     assert not procmem.stopped(99999999)
 
 
+@pytest.mark.root("page frame numbers in /proc/PID/pagemap are shown to root only")
 def test_prestore_stores_the_memory_of_stopped_processes(child: tuple[int, int, int], tmp_path: Path) -> None:
     pid, _, _ = child
     repo = Repository(FolderBackend(tmp_path / "store"))
     dumping = tmp_path / "dumping"
     dumping.mkdir()  # nothing written by CRIU yet
-    began = time.monotonic()
-    prestored = Prestored()
-    repo.prestore(dumping, prestored, lambda: time.monotonic() - began > 2, memory_of=[pid])
     windows = list(procmem.windows(pid, MiB, procmem.zero_page_frame()))
+    prestored = Prestored()
+    deadline = time.monotonic() + 60
+
+    def done() -> bool:  # the dump is over once all the memory was read (if it never is, in a minute)
+        return prestored.memory_read >= sum(w.size for w in windows) or time.monotonic() > deadline
+
+    repo.prestore(dumping, prestored, done, memory_of=[pid])
     assert prestored.memory_read == sum(window.size for window in windows)
     expected = blake3.blake3(b"".join(bytes([page]) * PAGE for page in range(100))).hexdigest()
     assert expected in repo.stored_chunks()

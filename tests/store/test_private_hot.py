@@ -24,7 +24,7 @@ MiB = 1 << 20
 BASE = 0x7F0000000000
 NOBODY = 65534
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+needs_root = pytest.mark.root("giving a folder to another user")
 
 
 def mode(path: Path) -> int:

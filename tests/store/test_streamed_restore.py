@@ -117,12 +117,13 @@ def test_a_writer_that_fails_cuts_its_file_short_and_is_reported(tmp_path: Path)
 
 
 def test_stop_returns_when_criu_never_came_and_a_second_stop_is_harmless(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
     streamer = ImageStreamer(tmp_path)
     streamer.start()
-    began = time.monotonic()
     streamer.stop()
+    # its listener ended because it was told to, not because stop gave up waiting for it
+    assert set(threading.enumerate()) <= before
     streamer.stop()
-    assert time.monotonic() - began < 2
     assert not (tmp_path / SOCKET_NAME).exists()
 
 

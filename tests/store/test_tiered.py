@@ -94,6 +94,7 @@ def _destager_pid(store: TieredStore) -> int | None:
     return int(text) if text else None
 
 
+@pytest.mark.slow  # 320 MiB of random bytes, so that it is still destaging when killed
 def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, tmp_path: Path) -> None:
     store = TieredStore(dataclasses.replace(settings, store_workers=1))
     data = os.urandom(320 * MiB)
@@ -131,6 +132,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.root("mounting a tmpfs")
 def test_a_full_cold_tier_keeps_the_checkpoint_in_ram_and_says_why(
     settings: Settings, small_tmpfs: Path
 ) -> None:
@@ -203,9 +205,13 @@ def test_fetch_leaves_only_the_pages_to_its_check(settings: Settings) -> None:
         check()
 
 
-def test_the_destager_removes_what_dead_dumps_left_behind(settings: Settings) -> None:
+def test_the_destager_removes_what_dead_dumps_left_behind(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torpor.core.store import destager
 
+    # leftovers go first; then it would linger for the live dump to finish (30 s): make that no time
+    monkeypatch.setattr(destager, "LINGER_S", 0.0)
     store = TieredStore(dataclasses.replace(settings, hot_capacity_bytes=4 * MiB))
     hot_partial = store.staging_dir("deadhot")
     cold_partial = store.staging_dir("deadcold", size_hint=64 * MiB)
@@ -218,6 +224,7 @@ def test_the_destager_removes_what_dead_dumps_left_behind(settings: Settings) ->
     assert live_partial.exists()
 
 
+@pytest.mark.root("mounting a tmpfs")
 def test_a_dump_goes_to_disk_when_the_hot_file_system_is_short_of_room(
     settings: Settings, small_tmpfs: Path
 ) -> None:

@@ -13,12 +13,9 @@ import subprocess
 from dataclasses import dataclass
 
 from torpor.errors import EnvironmentProblem
+from torpor.errors import SlurmCommandFailed as SlurmCommandFailed  # its home is errors.py; re-exported
 
 _SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
-
-
-class SlurmCommandFailed(EnvironmentProblem):
-    """A Slurm client command failed (slurmctld unreachable, unknown job); ``details`` holds what it said."""
 
 
 def _command(tool: str) -> str:

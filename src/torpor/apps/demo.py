@@ -36,7 +36,7 @@ from torpor.adapters import system
 from torpor.core.engine import Engine
 from torpor.core.records import JobState
 from torpor.core.store import remove_hot_tier
-from torpor.errors import EnvironmentProblem, TorporError
+from torpor.errors import DemoFailed, EnvironmentProblem, TorporError
 from torpor.settings import Settings
 
 TRAIN_SCRIPT = Path(__file__).with_name("demo_train.py")
@@ -113,12 +113,12 @@ class Demo:
         while not done():
             job = self.engine.status(self.name).job
             if job.state in (JobState.EXITED, JobState.FAILED):
-                raise TorporError(
+                raise DemoFailed(
                     f"the training job {job.state} while waiting for {what}",
                     details=self.log().splitlines()[-5:],
                 )
             if time.monotonic() > deadline:
-                raise TorporError(f"timed out waiting for {what}", details=self.log().splitlines()[-5:])
+                raise DemoFailed(f"timed out waiting for {what}", details=self.log().splitlines()[-5:])
             time.sleep(0.1)
 
     def wait_step(self, step: int) -> None:
@@ -154,7 +154,7 @@ class Demo:
             command, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL
         )
         if reference_run.returncode != 0:
-            raise TorporError(
+            raise DemoFailed(
                 f"the reference training run failed (exit {reference_run.returncode})",
                 details=reference_run.stderr.splitlines()[-5:],
             )
@@ -207,7 +207,7 @@ class Demo:
             f"processes alive: {len(alive)} -> {mib(rss)} of memory freed"
         )
         if alive:
-            raise TorporError(f"hibernation left processes running: {alive}")
+            raise DemoFailed(f"hibernation left processes running: {alive}")
         self.note(f"the image waits in torpor's RAM hot tier ({self.engine.settings.hot_path}) while a")
         self.note("background process stores it on disk; once it is there, the RAM copy is dropped too")
         time.sleep(2)
