@@ -222,15 +222,16 @@ def test_resume_after_kill_rewinds_a_file_opened_to_write_append_or_read_write(
 def test_a_file_first_opened_after_the_checkpoint_is_left_to_the_job(torpor: Torpor, tmp_path: Path) -> None:
     """Not in the image, so torpor does not touch it; the resumed job opens it again ("w" starts it over)."""
     data = tmp_path / "later.txt"
-    torpor.run("run", "--name", "wl", *python_job("writer.py", str(data), "w", "20"))
+    torpor.run("run", "--name", "wl", *python_job("writer.py", str(data), "w", "60"))
     torpor.wait_log("wl", "step 3")
     torpor.run("checkpoint", "wl")
-    torpor.wait_log("wl", "step 30")
+    assert not data.exists(), "the checkpoint came after step 60: it has the file open"
+    torpor.wait_log("wl", "step 70")
     torpor.run("stop", "wl", "--timeout", "0")
     result = torpor.run("resume", "wl")
     assert "rewound" not in result.stderr
-    torpor.wait_log("wl", "step 40")
-    assert _numbered(data.read_text(), 20)
+    torpor.wait_for(lambda: torpor.log("wl").count("step 70\n") == 2, what="the resumed job at step 70")
+    assert _numbered(data.read_text(), 60)
 
 
 def test_a_written_file_replaced_by_a_symlink_is_not_rewound_through_it(
