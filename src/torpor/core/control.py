@@ -45,12 +45,16 @@ Request = StatusRequest | CheckpointRequest | WaitLazyRequest
 
 @dataclass(frozen=True)
 class StatusReply:
+    """What a launcher says of its job: the job's pid and its own."""
+
     pid: int | None
     launcher_pid: int
 
 
 @dataclass(frozen=True)
 class CheckpointReply:
+    """A checkpoint the launcher made, and why its image is only in RAM if it is."""
+
     checkpoint: Checkpoint
     #: why the image is only in RAM (the cold tier cannot take it now); None when all is well
     not_durable: str | None
@@ -58,6 +62,8 @@ class CheckpointReply:
 
 @dataclass(frozen=True)
 class WaitLazyReply:
+    """All of a lazily restored job's memory is in; ``killed``: why torpor killed the job instead."""
+
     #: why torpor killed the job (a damaged chunk met while its memory came in); None if it was not
     killed: str | None
 

@@ -22,6 +22,7 @@ from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher, RestoreSpec
+from torpor.core.launcher.release import release_gated, release_streamed
 from torpor.core.launcher.spawn import start_launcher
 from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.records import (
@@ -34,7 +35,7 @@ from torpor.core.records import (
     JobName,
     JobState,
 )
-from torpor.core.restore import LAZY_KILL, prepare_world, release_gated, release_streamed
+from torpor.core.restore import LAZY_KILL, prepare_world
 from torpor.core.store import (
     DURABLE,
     Check,

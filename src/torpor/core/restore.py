@@ -18,20 +18,16 @@ import signal
 import stat
 import threading
 from collections.abc import Collection
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from torpor.adapters import system
 from torpor.adapters.criu import RestoreGate
 from torpor.adapters.criuimage import OpenFile, open_files, unix_socket_paths
-from torpor.adapters.imagestreamer import ImageStreamer
 from torpor.adapters.pageserver import PageServer
 from torpor.core.context import Context, Progress
-from torpor.core.launcher.protocol import PendingLauncher, RestoreSpec
 from torpor.core.records import CheckpointId, Job
-from torpor.core.store import Check, PageSource, PageStream
-from torpor.errors import RestoreFailed, StoreError, TorporError
+from torpor.core.store import PageSource
+from torpor.errors import RestoreFailed, TorporError
 
 #: how the record of a job torpor killed because a lazy restore could not bring its memory in begins
 LAZY_KILL = "lazy restore failed, the job was killed"
@@ -225,59 +221,3 @@ def prepare_world(
     recreated = recreate_socket_folders(image_dir)
     if recreated:
         progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
-
-
-def release_streamed(
-    launcher: PendingLauncher, spec: RestoreSpec, image_dir: Path, pages: PageStream
-) -> None:
-    """Let the launcher run ``criu restore --stream`` while this process hands CRIU the image.
-
-    The files in ``image_dir`` (verified already) go to CRIU as they are; the memory pages come from
-    the store straight into CRIU's pipe, with no copy in RAM first, each chunk verified before it is
-    written. A damaged chunk cuts its file short, so CRIU fails before the job runs.
-    """
-    streamer = ImageStreamer(image_dir, {name: partial(pages.write, name) for name in pages.names})
-    streamer.start()
-    try:
-        launcher.release(spec)
-    except TorporError as exc:
-        streamer.stop()
-        if isinstance(streamer.error, TorporError):  # says more than "criu restore failed"
-            raise streamer.error from exc
-        raise
-    finally:
-        streamer.stop()
-
-
-def release_gated(
-    ctx: Context, launcher: PendingLauncher, spec: RestoreSpec, image_dir: Path, check: Check
-) -> None:
-    """Let the launcher restore while this process runs ``check``; the job runs only if it passes.
-
-    CRIU reads the pages while they are verified (two cores at work instead of one after the
-    other) and holds the restored tree at its post-restore step until the verdict (RestoreGate).
-    """
-    gate = ctx.restore_gate(image_dir / ".torpor-verdict", os.getpid())
-    failed: list[TorporError] = []
-
-    def verify() -> None:
-        try:
-            check()
-        except TorporError as exc:
-            failed.append(exc)
-            gate.shut(exc.message)
-        except BaseException as exc:  # whatever went wrong, unverified memory must not run
-            failed.append(StoreError(f"verifying the image failed: {exc}"))
-            gate.shut(str(exc))
-            raise
-        else:
-            gate.open()
-
-    verifier = threading.Thread(target=verify, name="verify", daemon=True)
-    verifier.start()
-    try:
-        launcher.release(replace(spec, gate=str(gate.verdict), gate_pid=os.getpid()))
-    finally:
-        verifier.join()
-        if failed:  # the image's own error says more than "criu restore failed"
-            raise failed[0]

@@ -31,6 +31,8 @@ from torpor.settings import Settings
 
 
 class LaunchMode(StrEnum):
+    """What a new launcher is for: start the job's command, or restore it from an image."""
+
     START = "start"  # run the job's command
     RESTORE = "restore"  # restore the job from an image (the rest comes as a RestoreSpec)
 

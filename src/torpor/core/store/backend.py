@@ -37,6 +37,8 @@ NO_BUFFER = memoryview(b"")
 
 
 class Backend(Protocol):
+    """A flat namespace of named, immutable objects (a folder, an S3 prefix): all the store needs of storage."""
+
     url: str
     #: each load is a round trip over a network: worth asking for many objects at once
     remote: bool
@@ -81,6 +83,8 @@ class Backend(Protocol):
 
 
 class ObjectWriter(Protocol):
+    """An object written in parts; it exists, whole, only once :meth:`commit` returns."""
+
     def write(self, *parts: bytes | memoryview) -> None:
         """Append ``parts`` (the caller may reuse their memory once this returns)."""
 

@@ -78,6 +78,8 @@ class PageStream(Protocol):
 
 @dataclass(frozen=True)
 class StoredImage:
+    """Where one checkpoint's image is now, how far it is on its way to durable, and why not if it is stuck."""
+
     checkpoint_id: str
     job: str
     size_bytes: int  # bytes of the CRIU image as dumped (logical size)
@@ -102,12 +104,16 @@ class StoredImage:
 
 @dataclass(frozen=True)
 class GcResult:
+    """What a garbage collection kept and deleted."""
+
     checkpoints: int
     chunks_kept: int
     chunks_deleted: int
 
 
 class ImageStore(Protocol):
+    """What the engine asks of an image store; it never knows how images are kept."""
+
     @property
     def config(self) -> StoreConfig:
         """The state directory's store configuration as it is now (cold tier, key, retention)."""

@@ -62,6 +62,8 @@ RECORD_VERSION = 1
 
 @dataclass(frozen=True)
 class HotRecord:
+    """A hot image's record (``.torpor.json``): its job, its files' sizes and hashes, its way to durable."""
+
     id: str
     job: str
     created_at: float
@@ -123,6 +125,8 @@ def owner_alive(partial: Path) -> bool:
 
 
 class HotTier:
+    """Images in RAM: staged by dumps, committed by a rename, read back linked, dropped once durable."""
+
     def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
         self.root = root
         self._capacity = capacity

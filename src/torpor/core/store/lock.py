@@ -28,6 +28,8 @@ EXCLUSIVE = "x"
 
 
 class RepositoryLock:
+    """The store's shared (writers) / exclusive (gc) lock, kept as objects in the backend itself."""
+
     def __init__(self, backend: Backend, stale_s: float = 600.0) -> None:
         self.backend = backend
         self.stale_s = stale_s

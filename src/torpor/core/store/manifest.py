@@ -29,6 +29,8 @@ Extent = tuple[int, int, ChunkId | None]
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file of an image: its name, size, and the chunks (or zero runs) that rebuild it."""
+
     name: str
     size: int
     extents: tuple[Extent, ...]
@@ -36,6 +38,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
+    """One checkpoint in the cold tier: what the image is and how to rebuild each file; stored last."""
+
     id: str
     job: str
     created_at: float

@@ -38,6 +38,8 @@ class PageRun:
 
 @dataclass(frozen=True)
 class Pagemap:
+    """A pages file's runs of pages and the addresses they belong at."""
+
     pages_id: int
     runs: tuple[PageRun, ...]
 

@@ -69,6 +69,8 @@ def open_cold_tier(config: StoreConfig, home: Path, workers: int) -> Repository:
 
 
 class TieredStore:
+    """The ImageStore torpor uses: the hot tier in RAM in front of the cold tier, a destager between."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes, own_mount=settings.hot_dir is None)
