@@ -3,7 +3,7 @@
 Every line but the last is progress (``{"progress": "..."}``); the last has ``"ok"`` and either the result
 or a serialised :class:`~torpor.errors.TorporError`. The requests and replies are the frozen dataclasses
 below, and this module alone turns them into JSON and back, for both ends: the CLI's (:func:`status`,
-:func:`checkpoint`, :func:`wait_lazy`) and the launcher's (:func:`parse_request`, :func:`ok`,
+:func:`checkpoint`, :func:`wait_lazy`) and the launcher's (:func:`parse_request`, :func:`reply_to_json`,
 :func:`failed`, :func:`progress`). What a request does is the launcher's
 (:mod:`torpor.core.launcher.server`).
 """
