@@ -21,5 +21,6 @@ echo "setup: installing torpor and its tools into .venv"
 .venv/bin/pip install --quiet -e '.[dev,torch]'
 bash scripts/install-criu.sh .venv
 bash scripts/install-slurm.sh
+bash scripts/install-programs.sh
 touch .venv/.setup-done
 echo "setup: done; the CLI is .venv/bin/torpor"

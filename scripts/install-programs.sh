@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the real programs the test suite runs under torpor (tests/programs): PostgreSQL with pgbench,
+# tmux, sqlite3, and gcc. From the machine's own Debian repositories; skips the work when all are present.
+#
+# torpor itself needs none of them. PostgreSQL's package may start the system's cluster; the tests never
+# use it: they create their own cluster in a temporary folder and start it as a torpor job.
+set -euo pipefail
+
+packages=(postgresql postgresql-contrib tmux sqlite3 gcc libc6-dev)
+
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+have_all() {
+    local tool
+    for tool in tmux sqlite3 gcc runuser; do
+        PATH=/usr/local/sbin:/usr/sbin:/sbin:$PATH command -v "$tool" >/dev/null || return 1
+    done
+    local bin
+    bin=$(pg_bin)
+    [ -n "$bin" ] && [ -x "$bin/postgres" ] && [ -x "$bin/pgbench" ] && [ -x "$bin/initdb" ]
+}
+
+if have_all; then
+    echo "programs: PostgreSQL ($(pg_bin)), tmux, sqlite3 and gcc already installed"
+    exit 0
+fi
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "programs: installing ${packages[*]} needs root (apt-get); run this script as root" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt_install() {
+    apt-get install -y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        --no-install-recommends "${packages[@]}"
+}
+# the package lists may be missing (fresh container) or stale: refresh them once, only if needed
+if ! apt-cache show postgresql >/dev/null 2>&1 || ! apt_install; then
+    apt-get update -q
+    apt_install
+fi
+have_all || { echo "programs: packages installed but a tool is missing" >&2; exit 1; }
+echo "programs: installed PostgreSQL ($(pg_bin)), tmux, sqlite3 and gcc"
