@@ -165,8 +165,12 @@ def test_dump_failure_leaves_job_running_and_shows_criu_log(torpor: Torpor, tmp_
         torpor.wait_log("ext", "step 2")
         for verb in ("checkpoint", "hibernate"):
             result = torpor.run(verb, "ext", check=False)
-            assert_one_line_error(result, 4, "criu dump failed")
-            assert "Error (" in result.stderr  # the CRIU log lines that explain it
+            # in torpor's words: which socket, which process outside the job (this one), what to do
+            assert_one_line_error(
+                result, 4, f"the job is connected to the unix socket {path} of pid {os.getpid()}"
+            )
+            assert "or checkpoint or hibernate with --ext-unix-sk" in result.stderr
+            assert "External socket is used" in result.stderr  # the CRIU log lines that explain it
             assert "the job is still running" in result.stderr
             assert_running_not_frozen(torpor, "ext")
         assert torpor.json("checkpoints") == []

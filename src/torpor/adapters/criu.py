@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from torpor.adapters import system
 
 # CRIU's images are read in criuimage.py: dump() returns the statistics of its stats-dump image
-from torpor.adapters.criuimage import DumpStats, read_dump_stats
+from torpor.adapters.criuimage import DumpStats, external_unix_peers, read_dump_stats
 from torpor.errors import (
     CheckpointFailed,
     CriuUnavailable,
@@ -40,6 +41,10 @@ GHOST_LIMIT = "1G"
 # Lines CRIU prints on every run here that explain nothing (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
 _NOISE = re.compile(r"RLIMIT_NOFILE")
 _ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
+# CRIU's -v4 lines about each unix socket it collected, and about the outside one that failed the dump
+_UNIX_LINE = re.compile(r"unix:\s+(Collected|Runaway socket): ino (\d+) peer_ino (\d+) .* name (.*)$")
+#: the torpor option that lets a dump through a unix socket connected outside the job
+EXT_UNIX_SK_OPTION = "--ext-unix-sk"
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,44 @@ def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
             seen.add(key)
             unique.append(line)
     return unique[-limit:]
+
+
+def external_socket_problem(log_path: Path) -> str | None:
+    """What a dump CRIU refused with "External socket is used" met, in torpor's words; None otherwise.
+
+    CRIU names the outside socket (its ``Runaway socket`` line) and, among the sockets it collected, the
+    job's end; the outside process is found by the socket it holds.
+    """
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    names: dict[int, str] = {}
+    runaway: tuple[int, int] | None = None
+    for line in lines:
+        match = _UNIX_LINE.search(line)
+        if match is None:
+            continue
+        kind, ino, peer, name = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+        names.setdefault(ino, "" if name == "null" else name.strip())
+        if kind == "Runaway socket":
+            runaway = (ino, peer)
+    if runaway is None:
+        return None
+    outside, inside = runaway
+    holders = system.socket_holders(outside)
+    who = ", ".join(f"pid {pid} ({name})" for pid, name in holders) or "a process torpor cannot see"
+    if names.get(inside):
+        what = f"{who}, outside the job, is connected to the job's unix socket {names[inside]}"
+    elif names.get(outside):
+        what = f"the job is connected to the unix socket {names[outside]} of {who}, outside the job"
+    else:
+        what = f"the job shares a unix socket pair with {who}, outside the job"
+    return (
+        f"{what}: CRIU cannot save the outside end; close that connection, or checkpoint or hibernate with"
+        f" {EXT_UNIX_SK_OPTION}"
+        " (a job restored from that checkpoint then sees that connection closed)"
+    )
 
 
 #: CRIU runs this at each step of a restore. At ``post-restore`` every task of the tree is back, memory
@@ -153,6 +196,7 @@ class Criu:
         abandon_after: float = 10.0,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> subprocess.CompletedProcess[str]:
         """Run criu; kill it if it outlives ``timeout``, or if ``abandon_if()`` stays true ``abandon_after`` s.
 
@@ -167,6 +211,7 @@ class Criu:
                 stdin=subprocess.DEVNULL,
                 env=None if env is None else {**os.environ, **env},
                 cwd=cwd,
+                pass_fds=tuple(pass_fds),
             )
         except FileNotFoundError as exc:
             raise CriuUnavailable(f"criu not found at {self.path}: run 'make setup'") from exc
@@ -245,8 +290,14 @@ class Criu:
         *,
         leave_running: bool,
         extra: tuple[str, ...] = (),
+        external_unix: Sequence[int] = (),
     ) -> list[str]:
-        """The ``criu dump`` command line torpor runs (benchmarks run the same one as their anchor)."""
+        """The ``criu dump`` command line torpor runs (benchmarks run the same one as their anchor).
+
+        ``external_unix``: inodes of the job's unix sockets whose peer may be outside the job; CRIU saves
+        them without their peer (``--external unix[ino]``; naming a socket whose peer is inside changes
+        nothing). :meth:`restore` gives each such socket a peer that is closed.
+        """
         return [
             str(self.path),
             "dump",
@@ -262,6 +313,7 @@ class Criu:
             "--ghost-limit",
             GHOST_LIMIT,
             *extra,
+            *(arg for ino in external_unix for arg in ("--external", f"unix[{ino}]")),
             *(["--leave-running"] if leave_running else []),
         ]
 
@@ -273,6 +325,7 @@ class Criu:
         *,
         leave_running: bool,
         extra: tuple[str, ...] = (),
+        external_unix: Sequence[int] = (),
     ) -> DumpStats:
         """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt.
 
@@ -280,7 +333,9 @@ class Criu:
         failed dump is tried again is the caller's to decide (:func:`torpor.core.checkpoint.dump`).
         """
         self.require()
-        args = self.dump_command(pid, images_dir, log_path, leave_running=leave_running, extra=extra)[1:]
+        args = self.dump_command(
+            pid, images_dir, log_path, leave_running=leave_running, extra=extra, external_unix=external_unix
+        )[1:]
         out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
@@ -293,6 +348,9 @@ class Criu:
                 )
             if not Path(f"/proc/{pid}").exists():
                 raise JobExited("the job exited while it was being checkpointed", details=details)
+            external = external_socket_problem(log_path)
+            if external is not None:
+                raise CheckpointFailed(external, details=details)
             raise CheckpointFailed(
                 f"criu dump failed (exit status {out.returncode}); the job was left running",
                 details=details,
@@ -363,12 +421,26 @@ class Criu:
         The restored root is re-parented to the nearest subreaper above criu: the caller's launcher.
         ``lazy``: memory comes from a running :meth:`start_lazy_pages` on the same folder.
         ``gate``: the tree is restored in full but not let run until the gate's verdict says so.
+        A unix socket the job had connected outside it (dumped with ``external_unix``) comes back with a
+        peer that is closed: the job reads end-of-file from it, as if the outside process had hung up.
         ``stream``: every image file comes through an image streamer listening in ``images_dir``
         (:mod:`torpor.adapters.imagestreamer`), not from the folder. CRIU then runs in ``images_dir``
         with ``--images-dir .``: it connects to the streamer by a path it makes from that argument, and
         a socket path holds at most 107 bytes.
         """
         self.require()
+        # each socket the job had connected outside it gets a fresh one whose peer is already closed: the
+        # outside end is gone (CRIU cannot reconnect a stream), and the job sees the connection closed
+        closed_peers: list[socket.socket] = []
+        inherit: list[str] = []
+        externals = external_unix_peers(images_dir)
+        for peer in externals:
+            if peer.reconnects:
+                continue  # a datagram socket: CRIU connects it to its peer's address again
+            ours, theirs = socket.socketpair(socket.AF_UNIX, peer.type)
+            theirs.close()
+            closed_peers.append(ours)
+            inherit += ["--inherit-fd", f"fd[{ours.fileno()}]:socket:[{peer.ino}]"]
         args = [
             "restore",
             "--images-dir",
@@ -383,11 +455,21 @@ class Criu:
             *(["--lazy-pages"] if lazy else []),
             *(["--action-script", str(gate.script)] if gate else []),
             *(["--stream"] if stream else []),
+            *([EXT_UNIX_SK_OPTION] if externals else []),
+            *inherit,
             *extra,
         ]
-        out = self._run(
-            args, timeout=6 * 3600, env=gate.env() if gate else None, cwd=images_dir if stream else None
-        )
+        try:
+            out = self._run(
+                args,
+                timeout=6 * 3600,
+                env=gate.env() if gate else None,
+                cwd=images_dir if stream else None,
+                pass_fds=[s.fileno() for s in closed_peers],
+            )
+        finally:
+            for ours in closed_peers:
+                ours.close()
         if out.returncode != 0:
             details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
             message = f"criu restore failed (exit status {out.returncode})"

@@ -17,6 +17,8 @@ _FD_TYPE_REG = 1
 _FD_TYPE_UNIXSK = 5
 _O_ACCMODE = 3
 _O_APPEND = 0o2000
+_SOCK_DGRAM = 2
+_USK_EXTERN = 1  # UnixSkEntry.uflags: a socket outside the tree, recorded only as a peer
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,48 @@ def unix_socket_paths(images_dir: Path) -> list[str]:
         if isinstance(name, bytes) and name.startswith(b"/"):
             paths.append(name.rstrip(b"\0").decode(errors="surrogateescape"))
     return paths
+
+
+@dataclass(frozen=True)
+class ExternalUnixPeer:
+    """A unix socket of the dumped tree whose peer was outside it (dumped with ``--external unix[ino]``)."""
+
+    ino: int  # the tree's socket: what ``--inherit-fd fd[N]:socket:[ino]`` names on restore
+    type: int  # SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET
+    peer_name: str  # the outside socket's address ("" when it has none)
+
+    @property
+    def reconnects(self) -> bool:
+        """CRIU connects it to its peer's address again on restore (a datagram socket to a named peer)."""
+        return self.type == _SOCK_DGRAM and bool(self.peer_name)
+
+
+def external_unix_peers(images_dir: Path) -> list[ExternalUnixPeer]:
+    """The tree's unix sockets connected to a socket outside it, from ``files.img``.
+
+    UnixSkEntry{ino=2, type=3, uflags=6, peer=8, name=11}; the outside end is an entry of its own with
+    ``uflags`` USK_EXTERN (and always type SOCK_DGRAM: the tree's end has the real type).
+    """
+    sockets: list[dict[int, int | bytes]] = []
+    for entry in file_entries(images_dir):
+        raw = entry.get(16)
+        if entry.get(1) == _FD_TYPE_UNIXSK and isinstance(raw, bytes):
+            sockets.append(fields(raw))
+    outside: dict[int, bytes] = {}
+    for usk in sockets:
+        ino, flags, name = usk.get(2), usk.get(6, 0), usk.get(11, b"")
+        if isinstance(ino, int) and isinstance(flags, int) and flags & _USK_EXTERN:
+            outside[ino] = name if isinstance(name, bytes) else b""
+    found = []
+    for usk in sockets:
+        ino, kind, flags, peer = usk.get(2), usk.get(3), usk.get(6, 0), usk.get(8, 0)
+        if not isinstance(ino, int) or not isinstance(kind, int) or not isinstance(flags, int):
+            continue
+        if flags & _USK_EXTERN or not isinstance(peer, int) or peer not in outside:
+            continue
+        text = outside[peer].rstrip(b"\0").decode(errors="surrogateescape")
+        found.append(ExternalUnixPeer(ino=ino, type=kind, peer_name=text))
+    return found
 
 
 def open_files(images_dir: Path) -> list[OpenFile]:

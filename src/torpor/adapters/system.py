@@ -255,6 +255,50 @@ def uses_device(pids: list[int], prefix: str) -> bool:
     return False
 
 
+def _socket_inodes(pid: int) -> list[int]:
+    """Inodes of the sockets process ``pid`` has open (``/proc/PID/fd`` links ``socket:[N]``)."""
+    found = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.append(int(link[8:-1]))
+    return found
+
+
+def unix_socket_inodes(pids: list[int]) -> list[int]:
+    """Inodes of the unix sockets ``pids`` hold (those ``/proc/PID/net/unix`` lists), sorted, once each."""
+    held = {inode for pid in pids for inode in _socket_inodes(pid)}
+    unix: set[int] = set()
+    for pid in pids[:1]:
+        try:
+            with open(f"/proc/{pid}/net/unix") as table:
+                next(table, None)  # the header
+                unix = {int(line.split()[6]) for line in table if len(line.split()) > 6}
+        except OSError:
+            pass
+    return sorted(held & unix)
+
+
+def socket_holders(inode: int) -> list[tuple[int, str]]:
+    """The processes that have socket ``inode`` open: (pid, command name), lowest pid first."""
+    holders = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and inode in _socket_inodes(int(entry)):
+            try:
+                name = Path(f"/proc/{entry}/comm").read_text().strip()
+            except OSError:
+                continue
+            holders.append((int(entry), name))
+    return sorted(holders)
+
+
 # -- kernel features (for `torpor doctor`) -------------------------------------------------------------
 
 

@@ -128,7 +128,9 @@ def _warn(args: argparse.Namespace) -> Any:
 
 
 def cmd_checkpoint(engine: Engine, args: argparse.Namespace) -> int:
-    checkpoint = engine.checkpoint(args.name, hibernate=False, progress=progress(args), warn=_warn(args))
+    checkpoint = engine.checkpoint(
+        args.name, hibernate=False, progress=progress(args), warn=_warn(args), ext_unix_sk=args.ext_unix_sk
+    )
     if args.wait and not args.json:
         print(_checkpoint_line("checkpointed", checkpoint), flush=True)
     image = engine.wait_durable(checkpoint.id, progress=progress(args)) if args.wait else None
@@ -145,7 +147,9 @@ def cmd_checkpoint(engine: Engine, args: argparse.Namespace) -> int:
 
 def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
     before = engine.status(args.name).rss_bytes
-    checkpoint = engine.checkpoint(args.name, hibernate=True, progress=progress(args), warn=_warn(args))
+    checkpoint = engine.checkpoint(
+        args.name, hibernate=True, progress=progress(args), warn=_warn(args), ext_unix_sk=args.ext_unix_sk
+    )
     if args.wait and not args.json:
         print(
             _checkpoint_line("hibernated", checkpoint) + f"; freed {human_bytes(before)} of memory",
@@ -306,15 +310,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--tail", type=int, help="only the last N lines")
     p.set_defaults(func=cmd_logs)
 
+    ext_unix_help = (
+        "save unix sockets connected to processes outside the job (a 'psql -h /tmp' session, an attached"
+        " tmux client) without their outside end: a job restored from this checkpoint sees those"
+        " connections closed"
+    )
     p = add("checkpoint", "checkpoint a running job; it keeps running")
     p.add_argument(
         "--wait", action="store_true", help="return once the checkpoint is durable (in the cold tier)"
     )
+    p.add_argument("--ext-unix-sk", action="store_true", help=ext_unix_help)
     p.set_defaults(func=cmd_checkpoint)
     p = add("hibernate", "checkpoint a running job, then stop it, freeing its memory")
     p.add_argument(
         "--wait", action="store_true", help="return once the checkpoint is durable (in the cold tier)"
     )
+    p.add_argument("--ext-unix-sk", action="store_true", help=ext_unix_help)
     p.set_defaults(func=cmd_hibernate)
 
     lazy_help = (

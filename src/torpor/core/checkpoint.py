@@ -52,8 +52,13 @@ def checkpoint_in_launcher(
     hibernate: bool,
     launcher: Supervisor,
     progress: Progress,
+    *,
+    ext_unix_sk: bool = False,
 ) -> CheckpointReply:
     """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock.
+
+    ``ext_unix_sk``: the job's unix sockets connected to processes outside it are saved without their
+    outside end (a restore gives them a closed one); otherwise such a socket fails the dump.
 
     An image the cold tier cannot take now stays in RAM only, and the reply's ``not_durable`` says why.
     """
@@ -87,6 +92,7 @@ def checkpoint_in_launcher(
                 ctx.criu_log(name, "dump", checkpoint_id),
                 leave_running=not hibernate,
                 extra=ctx.settings.criu_extra,
+                external_unix=system.unix_socket_inodes(pids) if ext_unix_sk else (),
             )
         finally:
             if not hibernate:

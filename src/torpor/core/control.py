@@ -33,6 +33,8 @@ class CheckpointRequest:
     """Checkpoint the job, or hibernate it (the dump stops it)."""
 
     hibernate: bool
+    #: let the dump through unix sockets connected to processes outside the job (restored closed)
+    ext_unix_sk: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ Reply = StatusReply | CheckpointReply | WaitLazyReply
 
 def request_to_json(request: Request) -> dict[str, Any]:
     if isinstance(request, CheckpointRequest):
-        return {"op": "checkpoint", "hibernate": request.hibernate}
+        return {"op": "checkpoint", "hibernate": request.hibernate, "ext_unix_sk": request.ext_unix_sk}
     return {"op": "status" if isinstance(request, StatusRequest) else "wait_lazy"}
 
 
@@ -86,7 +88,9 @@ def parse_request(data: dict[str, Any]) -> Request:
     if op == "status":
         return StatusRequest()
     if op == "checkpoint":
-        return CheckpointRequest(hibernate=bool(data.get("hibernate")))
+        return CheckpointRequest(
+            hibernate=bool(data.get("hibernate")), ext_unix_sk=bool(data.get("ext_unix_sk"))
+        )
     if op == "wait_lazy":
         return WaitLazyRequest()
     raise UsageError(f"unknown request {op!r}")
@@ -118,8 +122,10 @@ def status(sock_path: Path, timeout: float | None = None) -> StatusReply:
     return StatusReply(pid=reply.get("pid"), launcher_pid=int(reply["launcher_pid"]))
 
 
-def checkpoint(sock_path: Path, hibernate: bool, on_progress: Progress | None = None) -> CheckpointReply:
-    reply = _call(sock_path, CheckpointRequest(hibernate), on_progress)
+def checkpoint(
+    sock_path: Path, hibernate: bool, on_progress: Progress | None = None, *, ext_unix_sk: bool = False
+) -> CheckpointReply:
+    reply = _call(sock_path, CheckpointRequest(hibernate, ext_unix_sk), on_progress)
     return CheckpointReply(_checkpoint(reply["checkpoint"]), reply.get("not_durable"))
 
 

@@ -244,9 +244,17 @@ class Engine:
     # -- checkpoint and hibernate ---------------------------------------------------------------------
 
     def checkpoint(
-        self, name: str, hibernate: bool = False, progress: Progress = quiet, warn: Progress = quiet
+        self,
+        name: str,
+        hibernate: bool = False,
+        progress: Progress = quiet,
+        warn: Progress = quiet,
+        ext_unix_sk: bool = False,
     ) -> Checkpoint:
-        """Checkpoint (or hibernate) a running job; ``warn`` is told if its image is only in RAM, and why."""
+        """Checkpoint (or hibernate) a running job; ``warn`` is told if its image is only in RAM, and why.
+
+        ``ext_unix_sk``: unix connections to processes outside the job do not fail the dump (see
+        docs/architecture.md, "Outside clients on a job's unix sockets")."""
         job = self.reconcile(self.records.job(name))
         if job.state != JobState.RUNNING:
             verb = "hibernate" if hibernate else "checkpoint"
@@ -257,7 +265,9 @@ class Engine:
                 hint = " and runs unsupervised (its launcher died): see 'torpor ps'"
             raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
         self.ctx.criu.require()
-        reply = control.checkpoint(self.settings.socket_path(job.name), hibernate, on_progress=progress)
+        reply = control.checkpoint(
+            self.settings.socket_path(job.name), hibernate, on_progress=progress, ext_unix_sk=ext_unix_sk
+        )
         if reply.not_durable:
             warn(f"checkpoint {reply.checkpoint.id} is only in RAM: {reply.not_durable}")
         return reply.checkpoint

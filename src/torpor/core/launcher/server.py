@@ -227,7 +227,13 @@ class Launcher:
                 if self.pid is None or not system.is_alive(self.pid):
                     raise JobExited(f"job '{self.job.name}' is not running")
                 return checkpoint_in_launcher(
-                    self.ctx, self.job.name, self.pid, request.hibernate, self, progress
+                    self.ctx,
+                    self.job.name,
+                    self.pid,
+                    request.hibernate,
+                    self,
+                    progress,
+                    ext_unix_sk=request.ext_unix_sk,
                 )
         # wait_lazy, after a lazy restore: until every page is in, the job can still meet a damaged chunk
         daemon = self.ctx.lazy_pages
