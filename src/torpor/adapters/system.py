@@ -200,9 +200,26 @@ def namespace_members(root_pid: int) -> list[int]:
     return sorted(members)
 
 
-def rss_bytes(pids: list[int]) -> int:
+def resident_bytes(pids: list[int]) -> int:
+    """Memory ``pids`` have resident, each page counted once however many of them map it.
+
+    The sum of their PSS (``/proc/PID/smaps_rollup``: a page mapped by n processes counts 1/n in each),
+    so memory shared between the job's processes (forked children, DataLoader workers, a shared mmap)
+    counts once, as in the job's image, where summing their RSS counts it once per process. Pages shared
+    with processes outside the job count for the job's share only. Reading it walks the page tables:
+    ~8 ms for 5 processes sharing 300 MiB here. A process whose smaps_rollup cannot be read counts its
+    RSS (``statm``).
+    """
     total = 0
     for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                pss = next((line for line in rollup if line.startswith("Pss:")), None)
+            if pss is not None:
+                total += int(pss.split()[1]) << 10
+                continue
+        except (OSError, IndexError, ValueError):
+            pass
         try:
             resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
         except (OSError, IndexError, ValueError):

@@ -73,7 +73,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
                 f"{last.id} ({human_age(now - last.created_at)} ago)" if last else "-",
             ]
         )
-    print(table(["NAME", "STATE", "PID", "RSS", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
+    print(table(["NAME", "STATE", "PID", "MEMORY", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
     # why a job failed is worth a line of its own (an exit code says it for exited jobs)
     reasons = [
         f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == JobState.FAILED and s.job.message
@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=cmd_run)
 
-    add("ps", "list jobs: name, state, pid, RSS, age, last checkpoint", job=False).set_defaults(func=cmd_ps)
+    ps_help = "list jobs: name, state, pid, memory (resident, shared pages once), age, last checkpoint"
+    add("ps", ps_help, job=False).set_defaults(func=cmd_ps)
 
     p = add("logs", "print a job's output (stdout and stderr)", json_flag=False)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output while the job runs")

@@ -79,7 +79,7 @@ def checkpoint_in_launcher(
     staging: Path | None = None
     committed = False
     try:
-        rss = system.rss_bytes(pids)
+        rss = system.resident_bytes(pids)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")

@@ -64,6 +64,7 @@ class JobStatus:
     """A job as ``torpor ps`` shows it: the record plus what /proc says now."""
 
     job: Job
+    #: memory the whole tree has resident, pages its processes share counted once (the sum of their PSS)
     rss_bytes: int | None
     last_checkpoint: Checkpoint | None
 
@@ -134,7 +135,7 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         rss = None
         if job.pid and (job.state in LIVE_STATES or unsupervised(job)):
-            rss = system.rss_bytes(system.namespace_members(job.pid))
+            rss = system.resident_bytes(system.namespace_members(job.pid))
         return JobStatus(job, rss, self.records.latest_checkpoint(job.name))
 
     def statuses(self) -> list[JobStatus]:
