@@ -101,6 +101,34 @@ def test_job_connected_to_an_outside_unix_server(torpor: Torpor, tmp_path: Path)
         server.close()
 
 
+def test_job_sending_datagrams_to_an_outside_address(torpor: Torpor, tmp_path: Path) -> None:
+    path = str(tmp_path / "log.sock")
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(path)
+    receiver.settimeout(10)
+    try:
+        torpor.run("run", "--name", "dg", *python_job("dgram_sender.py", path))
+        assert receiver.recv(100).startswith(b"msg ")
+        result = torpor.run("checkpoint", "dg", check=False)
+        refused_for_outside_socket(result, path, os.getpid())
+        assert "sends to that address again" in result.stderr
+        torpor.run("hibernate", "--ext-unix-sk", "dg")
+        while True:  # what it sent before the hibernation
+            receiver.settimeout(0.5)
+            try:
+                receiver.recv(100)
+            except TimeoutError:
+                break
+        receiver.settimeout(10)
+        torpor.run("resume", "dg")
+        # CRIU connected the restored socket to the same address: the messages come again, numbered on
+        first = int(receiver.recv(100).split()[1])
+        assert int(receiver.recv(100).split()[1]) == first + 1
+        assert "send failed" not in torpor.log("dg")
+    finally:
+        receiver.close()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -42,7 +42,10 @@ GHOST_LIMIT = "1G"
 _NOISE = re.compile(r"RLIMIT_NOFILE")
 _ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
 # CRIU's -v4 lines about each unix socket it collected, and about the outside one that failed the dump
-_UNIX_LINE = re.compile(r"unix:\s+(Collected|Runaway socket): ino (\d+) peer_ino (\d+) .* name (.*)$")
+_UNIX_LINE = re.compile(
+    r"unix:\s+(Collected|Dumping|Runaway socket): ino (\d+) peer_ino (\d+) family\s+\d+ type\s+(\d+) .* name (.*)$"
+)
+_SOCK_DGRAM = 2
 #: the torpor option that lets a dump through a unix socket connected outside the job
 EXT_UNIX_SK_OPTION = "--ext-unix-sk"
 
@@ -77,26 +80,33 @@ def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
 def external_socket_problem(log_path: Path) -> str | None:
     """What a dump CRIU refused with "External socket is used" met, in torpor's words; None otherwise.
 
-    CRIU names the outside socket (its ``Runaway socket`` line) and, among the sockets it collected, the
-    job's end; the outside process is found by the socket it holds.
+    CRIU names the outside socket (its ``Runaway socket`` line) and the job's sockets it dumped (its
+    ``Dumping`` lines), among which the one connected to it; the outside process is found by the socket
+    it holds.
     """
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return None
     names: dict[int, str] = {}
-    runaway: tuple[int, int] | None = None
+    types: dict[int, int] = {}
+    peers: dict[int, int] = {}  # the job's sockets: ino → the ino of its peer
+    outside: int | None = None
     for line in lines:
         match = _UNIX_LINE.search(line)
         if match is None:
             continue
-        kind, ino, peer, name = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+        kind, ino, peer, name = match.group(1), int(match.group(2)), int(match.group(3)), match.group(5)
         names.setdefault(ino, "" if name == "null" else name.strip())
-        if kind == "Runaway socket":
-            runaway = (ino, peer)
-    if runaway is None:
+        types.setdefault(ino, int(match.group(4)))
+        if kind == "Dumping":
+            peers[ino] = peer
+        elif kind == "Runaway socket":
+            outside = ino
+    if outside is None:
         return None
-    outside, inside = runaway
+    # a stream peer names the job's end as its own peer; a datagram receiver is connected to nobody
+    inside = next((ino for ino, peer in peers.items() if peer == outside), 0)
     holders = system.socket_holders(outside)
     who = ", ".join(f"pid {pid} ({name})" for pid, name in holders) or "a process torpor cannot see"
     if names.get(inside):
@@ -105,10 +115,13 @@ def external_socket_problem(log_path: Path) -> str | None:
         what = f"the job is connected to the unix socket {names[outside]} of {who}, outside the job"
     else:
         what = f"the job shares a unix socket pair with {who}, outside the job"
+    if types.get(inside) == _SOCK_DGRAM and names.get(outside):
+        after = "sends to that address again"  # CRIU connects a datagram socket to its peer's name again
+    else:
+        after = "sees that connection closed"
     return (
         f"{what}: CRIU cannot save the outside end; close that connection, or checkpoint or hibernate with"
-        f" {EXT_UNIX_SK_OPTION}"
-        " (a job restored from that checkpoint then sees that connection closed)"
+        f" {EXT_UNIX_SK_OPTION} (a job restored from that checkpoint then {after})"
     )
 
 
