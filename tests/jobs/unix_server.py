@@ -1,12 +1,22 @@
 """A job serving a unix socket (as PostgreSQL or a tmux server do): it echoes what each client sends.
 
-It prints "accepted" for each new client, "client gone" when one hangs up (what a job restored with
---ext-unix-sk sees of a client connected at its checkpoint), and a step every 0.1 s.
+The echo goes through a child process over a socket pair, a unix connection inside the job that a
+restore must keep. It prints "accepted" for each new client, "client gone" when one hangs up (what a
+job restored with --ext-unix-sk sees of a client connected at its checkpoint), and a step every 0.1 s.
 """
 
+import os
 import select
 import socket
 import sys
+
+ours, helpers = socket.socketpair()
+if os.fork() == 0:
+    ours.close()
+    while data := helpers.recv(100):
+        helpers.sendall(b"echo " + data)
+    os._exit(0)
+helpers.close()
 
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 server.bind(sys.argv[1])
@@ -21,7 +31,8 @@ while True:
             continue
         data = ready.recv(100)
         if data:
-            ready.sendall(b"echo " + data)
+            ours.sendall(data)
+            ready.sendall(ours.recv(200))
         else:
             print("client gone", flush=True)
             clients.remove(ready)

@@ -2,7 +2,8 @@
 
 - A process outside the job connected to one of its unix sockets fails the dump; the error names the
   socket, the process and ``--ext-unix-sk``. With the option the checkpoint works, the outside client
-  keeps its connection while the job runs, and a job restored from that image sees it closed.
+  keeps its connection while the job runs, and a job restored from that image sees it closed (its own
+  unix connections, inside the job, work on); a datagram socket is connected to its address again.
 - ``python -m http.server --protocol HTTP/1.1``: one keep-alive TCP connection from this test serves
   requests before a checkpoint, after it, and after a hibernation and resume (``--tcp-established``).
 - A tmux server (``tmux -D``, in the foreground: a server that daemonizes leaves the job's PID 1, and
