@@ -21,7 +21,7 @@ from conftest import JOBS, Torpor
 from torpor.adapters import system
 
 BIN = Path(sys.executable).parent
-STEPS = "150"
+STEPS = "200"
 PAUSE = "0.04"
 RANKS = (0, 1)
 
