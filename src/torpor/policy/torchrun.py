@@ -24,9 +24,10 @@ SHIM_MARK = "# torpor: torchrun with its TCPStore without libuv (io_uring cannot
 
 _SHIM = f"""{SHIM_MARK}
 import os, sys
-if os.environ.setdefault("USE_LIBUV", "0") == "0":
-    import torch.distributed as _dist
-    _Base = _dist.TCPStore
+import torch.distributed as _dist
+_Base = _dist.TCPStore
+# an older PyTorch has no such parameter (nor libuv as its default)
+if os.environ.setdefault("USE_LIBUV", "0") == "0" and "use_libuv" in (_Base.__init__.__doc__ or ""):
     class TCPStore(_Base):
         __doc__ = _Base.__doc__
         def __init__(self, *args, **kwargs):
