@@ -339,6 +339,69 @@ def socket_holders(inode: int) -> list[tuple[int, str]]:
     return sorted(holders)
 
 
+IO_URING = "anon_inode:[io_uring]"
+
+
+def io_uring_users(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that hold an io_uring instance: a descriptor of one, or its rings mapped.
+
+    A ring stays mapped after its descriptor is closed (or registered and closed, as liburing allows), so
+    both the descriptors and the mappings are looked at; CRIU can dump neither.
+    """
+    users = []
+    for pid in pids:
+        try:
+            found = False
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == IO_URING:
+                        found = True
+                        break
+            if not found:
+                with open(f"/proc/{pid}/maps") as maps:
+                    found = any(line.rstrip().endswith(IO_URING) for line in maps)
+        except OSError:  # gone meanwhile
+            continue
+        if found:
+            users.append(pid)
+    return users
+
+
+def command_line(pid: int, limit: int = 120) -> str:
+    """``pid``'s command line as one line (at most ``limit`` characters), or its name when it has none."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        text = " ".join(w.decode(errors="replace") for w in words if w)
+        if not text:
+            text = "[" + Path(f"/proc/{pid}/comm").read_text().strip() + "]"
+    except OSError:
+        return "?"
+    text = " ".join(text.split())  # one line, whatever newlines an argument (python -c) holds
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def script_interpreter(path: str) -> list[str] | None:
+    """The command line that runs the script at ``path``, from its ``#!`` line; None if it has none.
+
+    pip writes scripts whose interpreter path is too long for ``#!`` as a ``/bin/sh`` script that execs
+    ``'''exec' "PYTHON" "$0" "$@"``: that PYTHON is returned for those.
+    """
+    try:
+        with open(path, "rb") as script:
+            head = script.read(4096)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    lines = head.decode(errors="replace").splitlines()
+    # Linux passes what follows the interpreter as one argument
+    interpreter = lines[0][2:].strip().split(None, 1)
+    if len(lines) > 1 and interpreter and interpreter[0] == "/bin/sh" and lines[1].startswith("'''exec' "):
+        quoted = lines[1].split('"')
+        return [quoted[1]] if len(quoted) > 2 else None
+    return interpreter or None
+
+
 # -- kernel features (for `torpor doctor`) -------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from torpor.apps.render import emit_json, human_age, human_bytes, progress, tabl
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
+from torpor.policy import torchrun
 from torpor.settings import Settings
 
 # -- rendering -------------------------------------------------------------------------------------------
@@ -47,6 +48,8 @@ def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
         emit_json(_status_dict(engine.status(job.name)))
     else:
         print(f"started job '{job.name}' (pid {job.pid}); output: torpor logs {job.name}")
+        if torchrun.is_adapted(job.command):
+            print(torchrun.NOTE)
     return 0
 
 
@@ -301,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", "start COMMAND as a supervised job and return (the job survives the terminal)", job=False)
     p.add_argument("--name", help="job name (default: derived from the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.epilog = (
+        "torchrun (or python -m torch.distributed.run) is started with its TCPStore without libuv, whose "
+        "io_uring CRIU cannot checkpoint (docs/architecture.md)."
+    )
     p.set_defaults(func=cmd_run)
 
     ps_help = "list jobs: name, state, pid, memory (resident, shared pages once), age, last checkpoint"

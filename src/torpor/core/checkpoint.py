@@ -5,6 +5,7 @@ whole checkpoint runs there (:func:`checkpoint_in_launcher`), asked by the CLI o
 Order of a checkpoint::
 
     claim the job (running → checkpointing/hibernating)
+    refuse what CRIU cannot dump before anything is frozen (io_uring)
     GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
     criu dump into the store's staging folder  (job frozen only here; retried as policy.retry says)
     GPU stage: give the device back (if the job keeps running)
@@ -79,6 +80,7 @@ def checkpoint_in_launcher(
     staging: Path | None = None
     committed = False
     try:
+        refuse_io_uring(pids)
         rss = system.resident_bytes(pids)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
@@ -160,6 +162,20 @@ def checkpoint_in_launcher(
     else:
         records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
     return CheckpointReply(checkpoint, not_durable)
+
+
+def refuse_io_uring(pids: list[int]) -> None:
+    """Refuse a job that holds an io_uring instance: CRIU cannot dump one, and would fail mid-dump."""
+    users = system.io_uring_users(pids)
+    if not users:
+        return
+    others = f" and {len(users) - 1} other process(es)" if len(users) > 1 else ""
+    raise CheckpointFailed(
+        f"process {users[0]} ({system.command_line(users[0], 80)}){others} uses io_uring, which CRIU cannot "
+        "checkpoint; PyTorch's TCPStore does through libuv: create it with use_libuv=False, or set "
+        "USE_LIBUV=0 for init_process_group ('torpor run -- torchrun …' does both itself)",
+        details=[f"io_uring in process {pid}: {system.command_line(pid)}" for pid in users],
+    )
 
 
 def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any) -> DumpStats:

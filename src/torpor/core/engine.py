@@ -56,6 +56,7 @@ from torpor.errors import (
     WrongState,
 )
 from torpor.policy import stop as stop_policy
+from torpor.policy import torchrun
 from torpor.settings import Settings
 
 
@@ -88,13 +89,17 @@ class Engine:
     def run(self, name: str | None, command: list[str], cwd: str) -> Job:
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
-        if shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None) is None:
+        program = shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None)
+        if program is None:
             raise UsageError(f"command not found: {command[0]}")
         if name is None:
             name = free_name(name_from_command(command), {job.name for job in self.records.jobs()})
         job_name = check_name(name)
         job_dir = self.settings.job_dir(job_name)
         system.make_private_dirs(job_dir)
+        # torchrun's store would hold an io_uring, which CRIU cannot dump: start it without (policy.torchrun)
+        interpreter = system.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
+        command = torchrun.without_libuv(command, interpreter) or command
         job = self.records.create_job(job_name, command, cwd, str(job_dir / "output.log"))
         try:
             self._start_launcher(job_name, LaunchMode.START).release()
