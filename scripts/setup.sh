@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything torpor needs into .venv at the checkout's root: the package with its dev tools,
-# CPU PyTorch (for the demo, tests and benchmarks) and CRIU >= 4.2 (scripts/install-criu.sh).
+# CPU PyTorch (for the demo, tests and benchmarks) and CRIU >= 4.2 with torpor's rlimit shim
+# (scripts/install-criu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,8 +20,9 @@ fi
 echo "setup: installing torpor and its tools into .venv"
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e '.[dev,torch]'
+# the programs first: gcc builds install-criu.sh's rlimit shim
+bash scripts/install-programs.sh
 bash scripts/install-criu.sh .venv
 bash scripts/install-slurm.sh
-bash scripts/install-programs.sh
 touch .venv/.setup-done
 echo "setup: done; the CLI is .venv/bin/torpor"

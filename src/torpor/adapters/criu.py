@@ -41,6 +41,33 @@ GHOST_LIMIT = "1G"
 _NOISE = re.compile(r"RLIMIT_NOFILE")
 _ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
 
+#: where scripts/install-criu.sh puts torpor's rlimit shim, relative to the folder above the criu wrapper
+#: (PREFIX/bin/criu preloads PREFIX/lib/torpor-criu-rlimits.so; see scripts/criu-rlimits.c)
+RLIMIT_SHIM = Path("lib/torpor-criu-rlimits.so")
+# What CRIU logs when it may not read another user's limits, and when the tree's first process is not root
+_RLIMIT_REFUSED = re.compile(r"Can't get rlimit \d+: Operation not permitted")
+_UNPRIVILEGED_ROOT = "can't dump unprivileged task whose /proc doesn't belong to it"
+_TASK = re.compile(r"\(pid: (\d+)\)")
+
+
+def _dump_refusal(details: list[str]) -> str | None:
+    """torpor's words for a dump CRIU refused because of whom a process of the tree runs as."""
+    pid = next((int(m.group(1)) for line in details if (m := _TASK.search(line))), None)
+    who = f"pid {pid}, user {system.process_user(pid) or '?'}" if pid else "pid ?"
+    if any(_RLIMIT_REFUSED.search(line) for line in details):
+        return (
+            f"criu may not read the resource limits of a process of another user ({who}): root here lacks"
+            " CAP_SYS_RESOURCE; run 'make setup' (it builds torpor's rlimit shim for criu with gcc;"
+            " 'torpor doctor' says whether it works) or give root CAP_SYS_RESOURCE"
+        )
+    if any(_UNPRIVILEGED_ROOT in line for line in details):
+        return (
+            f"the job's first process ({who}) does not run as root, and CRIU cannot dump such a job in its"
+            " own PID namespace; start the command through a parent that stays root, e.g."
+            " 'torpor run -- runuser -u USER -- COMMAND' (setpriv, su-exec and gosu replace themselves by it)"
+        )
+    return None
+
 
 @dataclass(frozen=True)
 class CriuInfo:
@@ -235,6 +262,40 @@ class Criu:
         """``criu check --feature NAME`` (e.g. ``mem_dirty_track``, ``uffd-noncoop``)."""
         return self._run(["check", "--feature", feature]).returncode == 0
 
+    def rlimit_shim(self) -> Path | None:
+        """torpor's rlimit shim this criu's wrapper preloads (:data:`RLIMIT_SHIM`), if it was built."""
+        shim = self.path.parent.parent / RLIMIT_SHIM
+        return shim if shim.is_file() else None
+
+    def probe_dump(self, argv: list[str], uid: int, gid: int, images_dir: Path) -> list[str]:
+        """Start ``argv`` as ``uid``:``gid`` (own session, no stdio), dump it left running into
+        ``images_dir``, then kill it: the CRIU log lines that explain a failure, ``[]`` if the dump worked.
+
+        ``torpor doctor`` asks this whether a job's dump would meet a process of another user.
+        """
+        self.require()
+        process = subprocess.Popen(
+            argv,
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            start_new_session=True,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            log = images_dir / "dump.log"
+            args = ["dump", "--tree", str(process.pid), "--images-dir", str(images_dir)]
+            out = self._run([*args, "--log-file", str(log), "-v4", "--leave-running"], timeout=60)
+            if out.returncode == 0:
+                return []
+            return log_excerpt(log) or [(out.stderr or out.stdout).strip()]
+        finally:
+            process.kill()
+            process.wait()
+
     # -- dump and restore -----------------------------------------------------------------------
 
     def dump_command(
@@ -293,6 +354,8 @@ class Criu:
                 )
             if not Path(f"/proc/{pid}").exists():
                 raise JobExited("the job exited while it was being checkpointed", details=details)
+            if refusal := _dump_refusal(details):
+                raise CheckpointFailed(f"{refusal}; the job was left running", details=details)
             raise CheckpointFailed(
                 f"criu dump failed (exit status {out.returncode}); the job was left running",
                 details=details,

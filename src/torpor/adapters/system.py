@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pwd
+import re
 import signal
 import stat
 import time
@@ -205,6 +207,22 @@ def namespace_members(root_pid: int) -> list[int]:
     return sorted(members)
 
 
+def process_user(pid: int) -> str | None:
+    """The user a process runs as (its real uid's name, or the number); None if there is no such process."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
+    if match is None:
+        return None
+    uid = int(match.group(1))
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def rss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -290,6 +308,20 @@ def kernel_features() -> KernelFeatures:
         userfaultfd=Path("/proc/sys/vm/unprivileged_userfaultfd").exists()
         or Path("/dev/userfaultfd").exists(),
     )
+
+
+#: the capability that lets a process read and raise the resource limits of another user's processes
+CAP_SYS_RESOURCE = 24
+
+
+def has_capability(cap: int) -> bool | None:
+    """Whether torpor's own process has capability ``cap`` in effect (CapEff); None if /proc says nothing."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^CapEff:\s+([0-9a-fA-F]+)$", status, re.MULTILINE)
+    return None if match is None else bool(int(match.group(1), 16) >> cap & 1)
 
 
 def disk_free(path: Path) -> int:

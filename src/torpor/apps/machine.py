@@ -63,6 +63,18 @@ def _store_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _other_users_line(other: dict[str, Any]) -> str:
+    if other["problem"]:
+        return f"--  {other['problem']}" + "".join(f"\n      {line}" for line in other["details"])
+    if other["cap_sys_resource"]:
+        return "ok  jobs with processes of another user (runuser -u USER -- ...): yes"
+    how = f"torpor's rlimit shim for criu ({other['rlimit_shim']})" if other["rlimit_shim"] else "criu"
+    return (
+        "ok  jobs with processes of another user (runuser -u USER -- ...): yes; root lacks CAP_SYS_RESOURCE"
+        f" here, and {how} reads their limits from /proc/PID/limits"
+    )
+
+
 def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     report = doctor_report(settings)
     if args.json:
@@ -105,6 +117,7 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     store_ok = doctor.store_ok(store)
     for n, line in enumerate(_store_lines(store)):
         print(f"{mark(store_ok)} {line}" if n == 0 else f"    {line}")
+    print(_other_users_line(report["other_users"]))
     print(
         "torpor can checkpoint here"
         if report["ok"]
@@ -160,7 +173,8 @@ def add_parsers(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     """The ``doctor`` and ``store`` commands of the CLI's parser (``add`` makes one like the others)."""
     add(
         "doctor",
-        "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU; the store configuration",
+        "what works on this machine: CRIU, dirty tracking, userfaultfd, cgroups, GPU; the store configuration;"
+        " whether jobs with processes of another user can be checkpointed",
         job=False,
     ).set_defaults(func=None)
 

@@ -1,5 +1,5 @@
 """What works on this machine for torpor: CRIU and its features, the kernel, the GPU driver, the state
-directory and the store configuration — gathered for ``torpor doctor``.
+directory, the store configuration and jobs of other users — gathered for ``torpor doctor``.
 
 It asks the adapters (CRIU, the GPU driver, the system) and returns plain data: the report's keys are
 what ``torpor doctor --json`` prints. Every check is independent, so one failure does not hide the rest.
@@ -9,6 +9,8 @@ Rendering the report, and reading the store configuration's own report, are the 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +24,9 @@ from torpor.settings import Settings
 
 #: what the report says of checkpointing GPU memory
 GPU_CHECKPOINT = "not supported yet (CPU jobs only)"
+#: the user (and group) of the process doctor dumps to try another user's: nobody/nogroup on Debian
+PROBE_UID = 65534
+_SLEEP = shutil.which("sleep") or "/bin/sleep"
 
 
 def store_ok(store: Mapping[str, Any]) -> bool:
@@ -45,7 +50,51 @@ def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     if settings.home.exists():
         result["home_free_bytes"] = system.disk_free(settings.home)
     result["store"] = store
+    result["other_users"] = _other_users(settings, bool(criu.get("check_ok")))
     result["ok"] = bool(criu.get("check_ok")) and home_ok and store_ok(store)
+    return result
+
+
+def _other_users(settings: Settings, criu_ok: bool) -> dict[str, Any]:
+    """Whether a job with processes of another user (``runuser -u postgres -- …``) can be checkpointed.
+
+    CRIU reads each process's resource limits, which the kernel allows for another user's process only
+    with CAP_SYS_RESOURCE. Where root lacks it, a dump of such a process, run as ``nobody``, says whether
+    torpor's rlimit shim for criu (scripts/criu-rlimits.c) makes up for it. Not a condition of ``ok``:
+    jobs of root's own still work.
+    """
+    cap = system.has_capability(system.CAP_SYS_RESOURCE)
+    shim = Criu(settings.criu).rlimit_shim() if settings.criu else None
+    result: dict[str, Any] = {
+        "cap_sys_resource": cap,
+        "rlimit_shim": str(shim) if shim else None,
+        "checkpoint_ok": True if cap else None,
+        "problem": None,
+        "details": [],
+    }
+    if cap:
+        return result
+    if not criu_ok or os.geteuid() != 0:
+        result["problem"] = "not tried: criu does not work here (it needs root)"
+        return result
+    try:
+        with tempfile.TemporaryDirectory(prefix="torpor-doctor-") as images:
+            details = Criu(settings.criu).probe_dump([_SLEEP, "60"], PROBE_UID, PROBE_UID, Path(images))
+    except (OSError, TorporError) as exc:
+        details = [str(exc)]
+    result["checkpoint_ok"] = not details
+    refused = [line for line in details if "Can't get rlimit" in line]
+    result["details"] = refused or details
+    if details:
+        result["problem"] = (
+            "jobs with processes of another user (e.g. 'runuser -u postgres -- ...') cannot be checkpointed"
+            + (
+                ": root here lacks CAP_SYS_RESOURCE, so CRIU may not read their resource limits; run"
+                " 'make setup' (it builds torpor's rlimit shim for criu with gcc) or give root CAP_SYS_RESOURCE"
+                if refused
+                else ": a dump of such a process failed (see the details)"
+            )
+        )
     return result
 
 
