@@ -6,8 +6,9 @@ connections, from outside the job, stay open through both: CRIU dumps them with 
 and holds them with an nftables rule while the job is frozen or hibernated); the tables stay consistent
 (every account, teller and branch balance adds up to the history, one history row per transaction
 pgbench counted) and unchanged across an idle hibernation; a psql session in an open transaction
-continues it after both and commits. PostgreSQL attaches a SysV shared-memory segment, so this needs the
-job's own IPC namespace.
+continues it after both and commits; the server then shuts down cleanly. PostgreSQL attaches a SysV
+shared-memory segment, so this needs the job's own IPC namespace. With dynamic_shared_memory_type=sysv all
+of its shared memory is in the image (none in /dev/shm), parallel workers included.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def postgres_bin() -> Path | None:
 
 
 def missing_programs() -> str | None:
-    if postgres_bin() is None or not shutil.which("psql") or not shutil.which("runuser"):
-        return "PostgreSQL, psql or runuser is not installed (scripts/install-programs.sh installs them)"
+    if postgres_bin() is None or not all(shutil.which(tool) for tool in ("psql", "pgbench", "runuser")):
+        return "PostgreSQL, psql, pgbench or runuser is not installed (scripts/install-programs.sh installs them)"
     try:
         pwd.getpwnam(USER)
     except KeyError:
