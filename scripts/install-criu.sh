@@ -36,14 +36,15 @@ usable() { version_ok "$@" && "$@" check >/dev/null 2>&1; }
 
 build_shim() {
     if ! command -v gcc >/dev/null; then
+        [ -e "$shim" ] && return 0  # built before: it still works
         echo "criu: warning: no gcc, so no rlimit shim: jobs with processes of another user cannot be" \
             "checkpointed where root lacks CAP_SYS_RESOURCE (install gcc and run this again)" >&2
-        rm -f "$shim"
         return 0
     fi
     if [ -e "$shim" ] && [ "$shim" -nt "$shim_source" ]; then return 0; fi
     if gcc -O2 -Wall -Wextra -shared -fPIC -o "$shim.new" "$shim_source" -ldl; then
         mv "$shim.new" "$shim"
+        echo "criu: built torpor's rlimit shim at $shim"
     else
         echo "criu: warning: the rlimit shim did not build; see the errors above" >&2
         rm -f "$shim.new" "$shim"

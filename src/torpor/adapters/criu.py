@@ -44,9 +44,10 @@ _ERROR_LINE = re.compile(r"\b(Error|Warn)\s*\(")
 #: where scripts/install-criu.sh puts torpor's rlimit shim, relative to the folder above the criu wrapper
 #: (PREFIX/bin/criu preloads PREFIX/lib/torpor-criu-rlimits.so; see scripts/criu-rlimits.c)
 RLIMIT_SHIM = Path("lib/torpor-criu-rlimits.so")
-# What CRIU logs when it may not read another user's limits, and when the tree's first process is not root
+# What CRIU logs when it may not read another user's limits, and when the tree's first process (not root)
+# could not mount a /proc of its own: CRIU needs one to dump a tree in a PID namespace /proc is not of
 _RLIMIT_REFUSED = re.compile(r"Can't get rlimit \d+: Operation not permitted")
-_UNPRIVILEGED_ROOT = "can't dump unprivileged task whose /proc doesn't belong to it"
+_NO_PROC = "Can't get proc fd"  # the tree's first process could not mount a /proc of its PID namespace
 _TASK = re.compile(r"\(pid: (\d+)\)")
 
 
@@ -60,7 +61,7 @@ def _dump_refusal(details: list[str]) -> str | None:
             " CAP_SYS_RESOURCE; run 'make setup' (it builds torpor's rlimit shim for criu with gcc;"
             " 'torpor doctor' says whether it works) or give root CAP_SYS_RESOURCE"
         )
-    if any(_UNPRIVILEGED_ROOT in line for line in details):
+    if pid and any(_NO_PROC in line for line in details) and system.process_uid(pid) not in (0, None):
         return (
             f"the job's first process ({who}) does not run as root, and CRIU cannot dump such a job in its"
             " own PID namespace; start the command through a parent that stays root, e.g."

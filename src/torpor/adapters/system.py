@@ -207,16 +207,21 @@ def namespace_members(root_pid: int) -> list[int]:
     return sorted(members)
 
 
-def process_user(pid: int) -> str | None:
-    """The user a process runs as (its real uid's name, or the number); None if there is no such process."""
+def process_uid(pid: int) -> int | None:
+    """The real uid of a process; None if there is no such process."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
-    if match is None:
+    return None if match is None else int(match.group(1))
+
+
+def process_user(pid: int) -> str | None:
+    """The user a process runs as (its real uid's name, or the number); None if there is no such process."""
+    uid = process_uid(pid)
+    if uid is None:
         return None
-    uid = int(match.group(1))
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:

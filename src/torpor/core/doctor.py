@@ -75,7 +75,10 @@ def _other_users(settings: Settings, criu_ok: bool) -> dict[str, Any]:
     if cap:
         return result
     if not criu_ok or os.geteuid() != 0:
-        result["problem"] = "not tried: criu does not work here (it needs root)"
+        result["problem"] = (
+            "jobs with processes of another user: not tried, criu does not work here (it needs root);"
+            " root lacks CAP_SYS_RESOURCE, which CRIU needs for them unless torpor's rlimit shim is built"
+        )
         return result
     try:
         with tempfile.TemporaryDirectory(prefix="torpor-doctor-") as images:
