@@ -10,7 +10,7 @@
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
     │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
-    │   ├── JobStartFailed           the job could not be started: no PID namespace, its command won't exec
+    │   ├── JobStartFailed           the job could not be started: no PID or IPC namespace, its command won't exec
     │   └── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
@@ -78,7 +78,8 @@ class UnsafePath(EnvironmentProblem):
 
 
 class JobStartFailed(EnvironmentProblem):
-    """The launcher could not start the job: creating its PID namespace failed, or its command would not run."""
+    """The launcher could not start the job: creating its PID and IPC namespaces failed, or its command would
+    not run."""
 
 
 class SlurmCommandFailed(EnvironmentProblem):

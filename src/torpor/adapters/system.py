@@ -1,7 +1,7 @@
 """The running system as torpor sees it: processes in /proc, PID namespaces, kernel features.
 
-Also the raw system calls Python 3.11 lacks: ``unshare(CLONE_NEWPID)`` and ``prctl(PR_SET_CHILD_SUBREAPER)``
-for the launcher, ``sync_file_range`` and ``syncfs`` for the store's folder backend; and the one way torpor
+Also the raw system calls Python 3.11 lacks: ``unshare(CLONE_NEWPID | CLONE_NEWIPC)`` and
+``prctl(PR_SET_CHILD_SUBREAPER)`` for the launcher, ``sync_file_range`` and ``syncfs`` for the store's folder backend; and the one way torpor
 creates its own files and folders (:func:`open_private`, :func:`write_private`, :func:`make_private_dirs`):
 private to their owner, and never through a symbolic link someone planted where torpor writes.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWIPC = 0x08000000
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
 SYNC_FILE_RANGE_WRITE = 2
@@ -38,9 +39,13 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def unshare_pid_namespace() -> None:
-    """The caller's next child becomes PID 1 of a new PID namespace."""
-    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+def unshare_job_namespaces() -> None:
+    """The caller's next child becomes PID 1 of a new PID namespace, and the caller enters a new IPC one.
+
+    Both are what CRIU needs of a job (docs/architecture.md): its own PIDs, free again at restore, and
+    its own SysV shared memory, semaphores and message queues, which CRIU dumps only with their namespace.
+    """
+    _check(_libc.unshare(CLONE_NEWPID | CLONE_NEWIPC), "unshare(CLONE_NEWPID | CLONE_NEWIPC)")
 
 
 def mount_tmpfs(path: Path, options: str) -> None:

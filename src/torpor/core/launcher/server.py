@@ -3,9 +3,9 @@
 Started detached (its own session, stdio away from the terminal) by ``torpor run`` or ``torpor resume``
 (:mod:`torpor.core.launcher.spawn`):
 
-* it becomes a child subreaper, then starts the job as PID 1 of a new PID namespace in a session of its
-  own (stdin /dev/null, stdout+stderr appended to the job's log) — or, on resume, runs ``criu restore -d``
-  so the restored tree is re-parented to it;
+* it becomes a child subreaper, then starts the job as PID 1 of a new PID namespace, in a new IPC
+  namespace and a session of its own (stdin /dev/null, stdout+stderr appended to the job's log) — or,
+  on resume, runs ``criu restore -d`` so the restored tree is re-parented to it;
 * it records the job's pid and, when the job ends, its exit status;
 * it serves ``status``, ``checkpoint`` and ``wait_lazy`` requests (:mod:`torpor.core.control`) on a unix
   socket; a checkpoint runs here, because the launcher is the one process that can tell a job killed by
@@ -60,7 +60,8 @@ class Launcher:
     # -- starting -----------------------------------------------------------------------------------
 
     def start_job(self) -> int:
-        """Fork the job as PID 1 of a new PID namespace; returns its pid (our child, via subreaping)."""
+        """Fork the job as PID 1 of a new PID namespace, in a new IPC namespace; returns its pid (our child,
+        via subreaping)."""
         log_fd = system.open_private(Path(self.job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         pid_r, pid_w = os.pipe()
         exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
@@ -69,7 +70,7 @@ class Launcher:
             try:
                 os.close(pid_r)
                 os.close(exec_r)
-                system.unshare_pid_namespace()
+                system.unshare_job_namespaces()
                 child = os.fork()
                 if child == 0:
                     self._exec_job(log_fd, exec_w)
@@ -85,7 +86,7 @@ class Launcher:
         with os.fdopen(exec_r, "rb") as pipe:
             failure = pipe.read()
         if not text:
-            raise JobStartFailed("could not start the job: creating its PID namespace failed")
+            raise JobStartFailed("could not start the job: creating its PID and IPC namespaces failed")
         pid = int(text)
         if failure:
             with contextlib.suppress(ChildProcessError):
