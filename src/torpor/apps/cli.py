@@ -121,7 +121,7 @@ def _warn(args: argparse.Namespace) -> Any:
     """Warnings go to stderr even with --quiet; with --wait the command fails instead (exit 6)."""
 
     def warn(text: str) -> None:
-        if not args.wait:
+        if not getattr(args, "wait", False):
             print(f"torpor: warning: {text}", file=sys.stderr, flush=True)
 
     return warn
@@ -164,7 +164,13 @@ def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
 
 def _restore(engine: Engine, args: argparse.Namespace, ref: str | None) -> int:
     job, checkpoint, seconds = engine.restore(
-        args.name, ref, force=args.force, progress=progress(args), lazy=args.lazy, rewind=args.rewind
+        args.name,
+        ref,
+        force=args.force,
+        progress=progress(args),
+        lazy=args.lazy,
+        rewind=args.rewind,
+        warn=_warn(args),
     )
     if not args.json:
         print(f"restored {job.name} from {checkpoint.id} in {seconds:.2f} s (pid {job.pid})", flush=True)

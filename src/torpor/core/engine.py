@@ -273,11 +273,13 @@ class Engine:
         progress: Progress = quiet,
         lazy: bool = False,
         rewind: bool = False,
+        warn: Progress = quiet,
     ) -> tuple[Job, Checkpoint, float]:
         """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds).
 
         ``rewind``: cut back the files the job writes even where someone else changed them since the job
         stopped (:mod:`torpor.policy.rewind`); without it such a restore is refused, nothing changed.
+        ``warn`` is told what a rollback cannot bring back (files the job maps shared).
         """
         job = self.reconcile(self.records.job(name))
         checkpoint = (
@@ -339,7 +341,7 @@ class Engine:
                 pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
             else:  # HOT_LINKED, COLD_WHOLE: all but the pages verified now, those while CRIU reads them
                 check = self.ctx.store.fetch(checkpoint.id, image_dir)
-            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind)
+            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
             spec = RestoreSpec(
                 image_dir=str(image_dir),
                 checkpoint_id=checkpoint.id,

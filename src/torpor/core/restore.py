@@ -21,9 +21,9 @@ from pathlib import Path
 
 from torpor.adapters import system
 from torpor.adapters.criu import RestoreGate
-from torpor.adapters.criuimage import unix_socket_paths
+from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
-from torpor.core.context import Context, Progress
+from torpor.core.context import Context, Progress, quiet
 from torpor.core.records import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
@@ -145,19 +145,29 @@ def prepare_world(
     image_dir: Path,
     progress: Progress,
     rewind: bool = False,
+    warn: Progress = quiet,
 ) -> Rewound:
     """Make the job's written files and socket folders what its image in ``image_dir`` expects.
 
     ``job`` is the record as it was before the restore claimed it (how and when the job stopped);
     ``rewind``: cut files someone else changed since then too. The caller undoes the cuts
-    (:meth:`Rewound.undo`) if the restore does not go through.
+    (:meth:`Rewound.undo`) if the restore does not go through. ``warn`` is told of the files the job
+    maps shared when it ran on after this checkpoint: they are not rolled back.
     """
     job_dir = ctx.settings.job_dir(job.name)
     rewound_dir = job_dir / "rewound"
+    latest = ctx.records.latest_checkpoint(job.name)
+    stopped_here = job.state == JobState.HIBERNATED and latest is not None and latest.id == checkpoint_id
     at_stop = {}
     if job.state == JobState.HIBERNATED:
-        latest = ctx.records.latest_checkpoint(job.name)
         at_stop = load_stopped(job_dir, latest.id if latest else None)
+    if not stopped_here:
+        mapped = [path for path in shared_file_mappings(image_dir) if os.path.exists(path)]
+        if mapped:
+            warn(
+                f"{len(mapped)} file(s) the job maps shared (MAP_SHARED) are not rolled back: the restored "
+                f"job sees what was written to them after checkpoint {checkpoint_id}: {', '.join(mapped)}"
+            )
     rewound = rewind_written_files(
         image_dir,
         rewound_dir / checkpoint_id,
