@@ -10,7 +10,7 @@ STOPPED = 1_000_000_000_000
 
 
 def state(size: int, mtime_ns: int = STOPPED - 5, ino: int = 7) -> FileState:
-    return FileState(size=size, mtime_ns=mtime_ns, ino=ino, dev=1)
+    return FileState(size=size, mtime_ns=mtime_ns, ino=ino)
 
 
 def file(

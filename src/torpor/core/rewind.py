@@ -65,7 +65,7 @@ def file_state(path: Path) -> policy.FileState | None:
         st = path.lstat()
     except FileNotFoundError:
         return None
-    return policy.FileState(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    return policy.FileState(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 # -- at a hibernation ---------------------------------------------------------------------------------
@@ -81,7 +81,6 @@ def record_stopped(job_dir: Path, checkpoint_id: CheckpointId, image_dir: Path) 
                 "size": state.size,
                 "mtime_ns": state.mtime_ns,
                 "ino": state.ino,
-                "dev": state.dev,
             }
     data = {"format": _FORMAT, "checkpoint": checkpoint_id, "files": files}
     temp = job_dir / (STOPPED_FILE + ".tmp")
@@ -96,7 +95,7 @@ def load_stopped(job_dir: Path, checkpoint_id: CheckpointId | None) -> dict[str,
         if data.get("format") != _FORMAT or data.get("checkpoint") != checkpoint_id:
             return {}
         return {
-            path: policy.FileState(int(s["size"]), int(s["mtime_ns"]), int(s["ino"]), int(s["dev"]))
+            path: policy.FileState(int(s["size"]), int(s["mtime_ns"]), int(s["ino"]))
             for path, s in data["files"].items()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

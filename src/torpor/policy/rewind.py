@@ -30,12 +30,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FileState:
-    """What ``stat`` says of a file: enough to tell that it changed."""
+    """What ``stat`` says of a file: enough to tell that it changed.
+
+    No device number: on a network file system shared by the nodes (a Slurm job restored elsewhere) it
+    differs from node to node for the same file, while the inode number and mtime do not.
+    """
 
     size: int
     mtime_ns: int
     ino: int
-    dev: int
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class Plan:
 def changes(before: FileState, now: FileState) -> list[str]:
     """What differs between two states of one file, in words ("size 8192 → 12288 bytes", …)."""
     found = []
-    if (before.ino, before.dev) != (now.ino, now.dev):
+    if before.ino != now.ino:
         found.append("replaced (another inode)")
     if before.size != now.size:
         found.append(f"size {before.size} → {now.size} bytes")
