@@ -72,20 +72,23 @@ def file_state(path: Path) -> policy.FileState | None:
 
 
 def record_stopped(job_dir: Path, checkpoint_id: CheckpointId, image_dir: Path) -> None:
-    """Record the state of the regular files the hibernated job had open for writing (it is gone now)."""
+    """Record the state of the regular files the hibernated job had open for writing (it is gone now).
+
+    Never fails the hibernation: without a record, a resume judges the files by the job's end time.
+    """
     files: dict[str, dict[str, int]] = {}
-    for path in written_sizes(open_files(image_dir)):
-        state = file_state(path)
-        if state is not None and stat.S_ISREG(path.lstat().st_mode):
-            files[str(path)] = {
-                "size": state.size,
-                "mtime_ns": state.mtime_ns,
-                "ino": state.ino,
-            }
-    data = {"format": _FORMAT, "checkpoint": checkpoint_id, "files": files}
-    temp = job_dir / (STOPPED_FILE + ".tmp")
-    system.write_private(temp, json.dumps(data).encode())
-    os.replace(temp, job_dir / STOPPED_FILE)
+    try:
+        for path in written_sizes(open_files(image_dir)):
+            state = file_state(path)
+            if state is not None and stat.S_ISREG(path.lstat().st_mode):
+                files[str(path)] = {"size": state.size, "mtime_ns": state.mtime_ns, "ino": state.ino}
+        data = {"format": _FORMAT, "checkpoint": checkpoint_id, "files": files}
+        temp = job_dir / (STOPPED_FILE + ".tmp")
+        system.write_private(temp, json.dumps(data).encode())
+        os.replace(temp, job_dir / STOPPED_FILE)
+    except OSError:
+        with contextlib.suppress(OSError):
+            (job_dir / STOPPED_FILE).unlink()
 
 
 def load_stopped(job_dir: Path, checkpoint_id: CheckpointId | None) -> dict[str, policy.FileState]:
