@@ -6,13 +6,14 @@ roll back (their content is the file's, not the image's).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from conftest import Torpor, python_job
-from torpor.core.rewind import _cut, rewind_written_files
+from torpor.core.rewind import Rewound, _cut, rewind_written_files
 
 
 def saved_files(torpor: Torpor, name: str) -> list[Path]:
@@ -28,6 +29,28 @@ def test_cutting_the_same_bytes_twice_saves_them_once(tmp_path: Path) -> None:
     second = _cut(data, 5, keep)
     assert second.saved == first.saved and not second.created
     assert [p.read_bytes() for p in keep.iterdir()] == [b"later\n" * 100]
+
+
+def test_undo_puts_back_content_size_and_mtime(tmp_path: Path) -> None:
+    data, keep = tmp_path / "data.txt", tmp_path / "rewound"
+    data.write_bytes(b"kept\n" + b"later\n" * 100)
+    os.utime(data, ns=(1_000_000_123, 2_000_000_456))
+    before = data.read_bytes(), data.stat().st_mtime_ns
+    rewound = Rewound(done=[_cut(data, 5, keep)])
+    assert data.read_bytes() == b"kept\n"
+    assert rewound.undo() == []
+    assert (data.read_bytes(), data.stat().st_mtime_ns) == before
+    assert not keep.exists() or not any(keep.iterdir()), "the bytes put back are still saved"
+
+
+def test_undo_leaves_a_file_that_changed_again_and_says_so(tmp_path: Path) -> None:
+    data, keep = tmp_path / "data.txt", tmp_path / "rewound"
+    data.write_bytes(b"kept\n" + b"later\n")
+    rewound = Rewound(done=[_cut(data, 5, keep)])
+    data.write_bytes(b"kept\nnew\n")  # e.g. the restored job ran and wrote before the restore failed
+    (problem,) = rewound.undo()
+    assert "changed again" in problem and data.read_bytes() == b"kept\nnew\n"
+    assert [p.read_bytes() for p in keep.iterdir()] == [b"later\n"]
 
 
 def test_nothing_to_rewind_without_an_image(tmp_path: Path) -> None:
