@@ -16,7 +16,7 @@ from torpor.adapters import criu, criuimage
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
-from torpor.core.restore import written_sizes
+from torpor.core.rewind import written_sizes
 from torpor.errors import (
     CheckpointFailed,
     CheckpointNotFound,

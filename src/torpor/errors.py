@@ -6,7 +6,8 @@
     ├── UsageError (2)               bad input: unknown job, bad id, bad flag combination
     │   ├── JobNotFound
     │   ├── CheckpointNotFound
-    │   └── WrongState               e.g. checkpoint a hibernated job, resume a running one
+    │   ├── WrongState               e.g. checkpoint a hibernated job, resume a running one
+    │   └── FilesChanged             a resume would cut files someone else changed since the job stopped
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
     │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
@@ -62,6 +63,10 @@ class CheckpointNotFound(UsageError):
 
 
 class WrongState(UsageError):
+    pass
+
+
+class FilesChanged(UsageError):
     pass
 
 
@@ -144,6 +149,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         JobNotFound,
         CheckpointNotFound,
         WrongState,
+        FilesChanged,
         EnvironmentProblem,
         CriuUnavailable,
         UnsafePath,

@@ -19,6 +19,9 @@ _O_ACCMODE = 3
 _O_APPEND = 0o2000
 _SOCK_DGRAM = 2
 _USK_EXTERN = 1  # UnixSkEntry.uflags: a socket outside the tree, recorded only as a peer
+_O_RDWR = 2
+_PROT_WRITE = 2
+_VMA_FILE_SHARED = 1 << 7  # CRIU's VMA_FILE_SHARED (criu/include/image.h)
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,67 @@ def open_files(images_dir: Path) -> list[OpenFile]:
                 pos=pos if isinstance(pos, int) else 0,
             )
         )
+    return found
+
+
+def repeated(buf: bytes, number: int) -> list[int | bytes]:
+    """Every value of field ``number`` in one protobuf message, in order (for repeated fields)."""
+    out: list[int | bytes] = []
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        value: int | bytes
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if key >> 3 == number:
+            out.append(value)
+    return out
+
+
+def shared_file_mappings(images_dir: Path) -> list[str]:
+    """Regular files the tree mapped ``MAP_SHARED`` and writable: CRIU keeps no copy of their content.
+
+    Their pages are the file's own (CRIU maps the file again on restore), so a restore gives the job
+    the file as it is now. MmEntry.vmas=14: VmaEntry{shmid=4 (the file's id in files.img), prot=5,
+    status=7, fdflags=10}; FileEntry{id=2, reg=3: RegFileEntry{name=6}}.
+    """
+    names: dict[int, str] = {}
+    for entry in file_entries(images_dir):
+        reg, file_id = entry.get(3), entry.get(2)
+        if entry.get(1) == _FD_TYPE_REG and isinstance(reg, bytes) and isinstance(file_id, int):
+            name = fields(reg).get(6)
+            if isinstance(name, bytes):
+                text = name.decode(errors="surrogateescape")
+                names[file_id] = text if text.startswith("/") else "/" + text
+    found: list[str] = []
+    for image in sorted(images_dir.glob("mm-*.img")):
+        try:
+            messages = records(image.read_bytes())
+        except (OSError, ValueError):
+            continue
+        for message in messages:
+            for vma in repeated(message, 14):
+                if not isinstance(vma, bytes):
+                    continue
+                v = fields(vma)
+                status, prot, fdflags, shmid = v.get(7, 0), v.get(5, 0), v.get(10, 0), v.get(4)
+                if not (isinstance(status, int) and status & _VMA_FILE_SHARED):
+                    continue
+                writable = (isinstance(prot, int) and prot & _PROT_WRITE) or (
+                    isinstance(fdflags, int) and fdflags & _O_ACCMODE == _O_RDWR
+                )
+                path = names.get(shmid) if isinstance(shmid, int) else None
+                if writable and path is not None and path not in found:
+                    found.append(path)
     return found
 
 

@@ -124,7 +124,7 @@ def _warn(args: argparse.Namespace) -> Any:
     """Warnings go to stderr even with --quiet; with --wait the command fails instead (exit 6)."""
 
     def warn(text: str) -> None:
-        if not args.wait:
+        if not getattr(args, "wait", False):
             print(f"torpor: warning: {text}", file=sys.stderr, flush=True)
 
     return warn
@@ -171,7 +171,13 @@ def cmd_hibernate(engine: Engine, args: argparse.Namespace) -> int:
 
 def _restore(engine: Engine, args: argparse.Namespace, ref: str | None) -> int:
     job, checkpoint, seconds = engine.restore(
-        args.name, ref, force=args.force, progress=progress(args), lazy=args.lazy
+        args.name,
+        ref,
+        force=args.force,
+        progress=progress(args),
+        lazy=args.lazy,
+        rewind=args.rewind,
+        warn=_warn(args),
     )
     if not args.json:
         print(f"restored {job.name} from {checkpoint.id} in {seconds:.2f} s (pid {job.pid})", flush=True)
@@ -340,9 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
         "start the job before all of its memory is read; the command returns once all of it is in "
         "(exit 5 if a damaged chunk killed the job meanwhile)"
     )
+    rewind_help = (
+        "cut the files the job writes back to their size at the checkpoint even where someone else "
+        "changed them since the job stopped (the later bytes are saved first); without it torpor refuses"
+    )
     p = add("resume", "restore a job from its latest checkpoint")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.add_argument("--lazy", action="store_true", help=lazy_help)
+    p.add_argument("--rewind", action="store_true", help=rewind_help)
     p.set_defaults(func=cmd_resume)
 
     p = add("restore", "restore a job from a given checkpoint (roll back)")
@@ -351,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.add_argument("--lazy", action="store_true", help=lazy_help)
+    p.add_argument("--rewind", action="store_true", help=rewind_help)
     p.set_defaults(func=cmd_restore)
 
     p = add("checkpoints", "list checkpoints: time, size and freeze time of each", job=False)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from torpor.adapters import system
 from torpor.adapters.criu import Criu, log_excerpt
 from torpor.adapters.criuimage import DumpStats
+from torpor.core import rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
 from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
@@ -100,6 +101,8 @@ def checkpoint_in_launcher(
             if not hibernate:
                 ctx.gpu.after_dump(pids, leave_running=True)
         dump_s = time.monotonic() - dump_started
+        if hibernate:  # the job is gone: what its files are now is what it left; anything later is not its
+            rewind.record_stopped(ctx.settings.job_dir(name), checkpoint_id, staging)
         freeze_s = stats.frozen_s or dump_s
         progress(f"dumped in {dump_s:.2f} s (frozen {freeze_s:.2f} s); storing")
         try:

@@ -36,6 +36,7 @@ from torpor.core.records import (
     JobState,
 )
 from torpor.core.restore import LAZY_KILL, prepare_world
+from torpor.core.rewind import Rewound
 from torpor.core.store import (
     DURABLE,
     Check,
@@ -287,8 +288,15 @@ class Engine:
         force: bool = False,
         progress: Progress = quiet,
         lazy: bool = False,
+        rewind: bool = False,
+        warn: Progress = quiet,
     ) -> tuple[Job, Checkpoint, float]:
-        """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds)."""
+        """Restore ``name`` from checkpoint ``ref`` (default: its latest); returns (job, checkpoint, seconds).
+
+        ``rewind``: cut back the files the job writes even where someone else changed them since the job
+        stopped (:mod:`torpor.policy.rewind`); without it such a restore is refused, nothing changed.
+        ``warn`` is told what a rollback cannot bring back (files the job maps shared).
+        """
         job = self.reconcile(self.records.job(name))
         checkpoint = (
             self.records.find_checkpoint(job.name, ref)
@@ -323,6 +331,7 @@ class Engine:
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         launcher: PendingLauncher | None = None
         pages: PageStream | None = None
+        rewound: Rewound | None = None
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
             if previous.pid and not system.wait_gone(
@@ -348,7 +357,7 @@ class Engine:
                 pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
             else:  # HOT_LINKED, COLD_WHOLE: all but the pages verified now, those while CRIU reads them
                 check = self.ctx.store.fetch(checkpoint.id, image_dir)
-            prepare_world(self.ctx, job, checkpoint.id, image_dir, progress)
+            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
             spec = RestoreSpec(
                 image_dir=str(image_dir),
                 checkpoint_id=checkpoint.id,
@@ -369,6 +378,16 @@ class Engine:
             if launcher is not None:
                 launcher.abort()
             shutil.rmtree(image_dir, ignore_errors=True)
+            if rewound is not None and rewound.paths:
+                count = len(rewound.paths)
+                problems = rewound.undo()
+                exc.details.extend(problems)
+                if not problems:
+                    exc.details.append(f"the {count} file(s) torpor had cut are back as they were")
+                elif len(problems) < count:
+                    exc.details.append(
+                        f"{count - len(problems)} of the {count} file(s) torpor had cut are back"
+                    )
             self.records.transition(job.name, {JobState.RESTORING}, previous.state)
             if not isinstance(exc, RestoreFailed):
                 exc.details.append(f"job '{name}' stays {previous.state}; its checkpoints are untouched")

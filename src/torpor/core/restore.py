@@ -2,9 +2,10 @@
 
 Order of a restore (driven by :meth:`torpor.core.engine.Engine.restore`): claim (hibernated/exited/failed
 → restoring), wait for the old processes to be gone, fetch the image from the one restore source the
-store chose (every byte verified), :func:`rewind_written_files` and :func:`recreate_socket_folders`, then
-a launcher runs :func:`restore_into_launcher` (``criu restore`` and the GPU stage), job → running. On
-failure the job goes back to the state it had; the image stays.
+store chose (every byte verified), :func:`prepare_world` (the written files rewound as
+:mod:`torpor.core.rewind` says, socket folders), then a launcher runs :func:`restore_into_launcher`
+(``criu restore`` and the GPU stage), job → running. On failure the job goes back to the state it had,
+the rewound files are put back as they were, and the image stays.
 
 Fetching and verifying images is the store's; reading CRIU's image files is the adapters'.
 """
@@ -15,19 +16,18 @@ import contextlib
 import os
 import shutil
 import signal
-import stat
 import threading
-from collections.abc import Collection
 from pathlib import Path
 
 from torpor.adapters import system
 from torpor.adapters.criu import RestoreGate
-from torpor.adapters.criuimage import OpenFile, open_files, unix_socket_paths
+from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
-from torpor.core.context import Context, Progress
-from torpor.core.records import CheckpointId, Job
+from torpor.core.context import Context, Progress, quiet
+from torpor.core.records import CheckpointId, Job, JobState
+from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
-from torpor.errors import RestoreFailed, TorporError
+from torpor.errors import TorporError
 
 #: how the record of a job torpor killed because a lazy restore could not bring its memory in begins
 LAZY_KILL = "lazy restore failed, the job was killed"
@@ -120,75 +120,6 @@ def restore_into_launcher(
     return pid
 
 
-def written_sizes(files: list[OpenFile]) -> dict[Path, tuple[int, bool]]:
-    """Each regular file the job had open for writing: (its size at the checkpoint, CRIU checks it).
-
-    CRIU records the size of a file open for writing, and refuses to restore when it changed ("bad
-    size") — except for files opened with O_APPEND (logs, CSV files), whose size it does not record.
-    For those, the offset of a descriptor that appended is where the file ended after its last write,
-    which is its size at the checkpoint when the job is its only writer; a descriptor that never wrote
-    (offset 0) says nothing.
-    """
-    checked: dict[Path, int] = {}
-    appended: dict[Path, int] = {}
-    for entry in files:
-        if not entry.writable:
-            continue
-        path = Path(entry.path if entry.path.startswith("/") else "/" + entry.path)
-        if entry.size is not None:
-            checked[path] = entry.size
-        elif entry.append and entry.pos > 0:
-            appended[path] = max(appended.get(path, 0), entry.pos)
-    sizes = {path: (size, False) for path, size in appended.items()}
-    sizes.update((path, (size, True)) for path, size in checked.items())
-    return sizes
-
-
-def rewind_written_files(image_dir: Path, keep_dir: Path, keep: Collection[Path] = ()) -> list[str]:
-    """Bring files the job had open for writing back to their size at the checkpoint.
-
-    That is the normal case after rolling back, or resuming a job that kept running after its
-    checkpoint: the job continues from the checkpoint and writes again what followed it. A file that
-    grew is cut back to its checkpoint size (see :func:`written_sizes`), and the bytes cut off are saved
-    under ``keep_dir``, so nothing is lost. A file CRIU checks that shrank cannot be made consistent:
-    that is an error. Files in ``keep`` (the job's own output log, a record of all that happened) are
-    left as they are.
-    """
-    rewound = []
-    for path, (size, checked) in written_sizes(open_files(image_dir)).items():
-        if path in keep:
-            continue
-        try:
-            current = path.lstat()
-        except FileNotFoundError:
-            continue  # CRIU explains a missing file itself
-        if stat.S_ISLNK(current.st_mode) or os.path.realpath(path) != str(path):
-            # CRIU recorded where the file really was: a link there now was put there since, maybe by
-            # someone who wants root to cut another file
-            raise RestoreFailed(
-                f"{path} is now reached through a symbolic link ({os.path.realpath(path)}); torpor does "
-                "not rewind a file through a link: put the job's file back at that path"
-            )
-        if not stat.S_ISREG(current.st_mode) or current.st_size == size:
-            continue
-        if current.st_size < size:
-            if not checked:
-                continue  # the job appends at the end wherever it is (e.g. after a log rotation)
-            raise RestoreFailed(
-                f"{path} is shorter than when the checkpoint was taken ({current.st_size} < {size} "
-                "bytes): it was truncated or replaced, so the job cannot be restored consistently"
-            )
-        system.make_private_dirs(keep_dir)
-        saved = keep_dir / (str(path).strip("/").replace("/", "%") + f".after-{size}")
-        with open(system.open_private(path, os.O_RDWR | os.O_NOCTTY), "r+b") as handle:
-            handle.seek(size)
-            with os.fdopen(system.open_private(saved, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as out:
-                shutil.copyfileobj(handle, out)
-            handle.truncate(size)
-        rewound.append(str(path))
-    return rewound
-
-
 def recreate_socket_folders(image_dir: Path) -> list[str]:
     """Create the missing folders of unix sockets the job had bound, so CRIU can bind them again.
 
@@ -208,16 +139,54 @@ def recreate_socket_folders(image_dir: Path) -> list[str]:
 
 
 def prepare_world(
-    ctx: Context, job: Job, checkpoint_id: CheckpointId, image_dir: Path, progress: Progress
-) -> None:
-    """Make the job's written files and socket folders what its image in ``image_dir`` expects."""
-    rewound_dir = ctx.settings.job_dir(job.name) / "rewound"
-    rewound = rewind_written_files(image_dir, rewound_dir / checkpoint_id, keep={Path(job.log_path)})
-    if rewound:
+    ctx: Context,
+    job: Job,
+    checkpoint_id: CheckpointId,
+    image_dir: Path,
+    progress: Progress,
+    rewind: bool = False,
+    warn: Progress = quiet,
+) -> Rewound:
+    """Make the job's written files and socket folders what its image in ``image_dir`` expects.
+
+    ``job`` is the record as it was before the restore claimed it (how and when the job stopped);
+    ``rewind``: cut files someone else changed since then too. The caller undoes the cuts
+    (:meth:`Rewound.undo`) if the restore does not go through. ``warn`` is told of the files the job
+    maps shared when it ran on after this checkpoint: they are not rolled back.
+    """
+    job_dir = ctx.settings.job_dir(job.name)
+    rewound_dir = job_dir / "rewound"
+    latest = ctx.records.latest_checkpoint(job.name)
+    stopped_here = job.state == JobState.HIBERNATED and latest is not None and latest.id == checkpoint_id
+    at_stop = {}
+    if job.state == JobState.HIBERNATED:
+        at_stop = load_stopped(job_dir, latest.id if latest else None)
+    if not stopped_here:
+        mapped = [path for path in shared_file_mappings(image_dir) if os.path.exists(path)]
+        if mapped:
+            warn(
+                f"{len(mapped)} file(s) the job maps shared (MAP_SHARED) are not rolled back: the restored "
+                f"job sees what was written to them after checkpoint {checkpoint_id}: {', '.join(mapped)}"
+            )
+    rewound = rewind_written_files(
+        image_dir,
+        rewound_dir / checkpoint_id,
+        keep=frozenset({Path(job.log_path)}),
+        at_stop=at_stop,
+        stopped_ns=int(job.ended_at * 1e9) if job.ended_at else None,
+        rewind=rewind,
+    )
+    if rewound.paths:
         progress(
-            f"rewound {len(rewound)} file(s) the job writes to their size at the checkpoint "
+            f"rewound {len(rewound.paths)} file(s) the job writes to their size at the checkpoint "
             f"(later bytes saved under {rewound_dir})"
+        )
+    if rewound.changed_elsewhere:
+        progress(
+            f"--rewind: {len(rewound.changed_elsewhere)} file(s) changed by someone else since the job "
+            f"stopped, restored on anyway: {', '.join(rewound.changed_elsewhere)}"
         )
     recreated = recreate_socket_folders(image_dir)
     if recreated:
         progress(f"recreated {len(recreated)} missing folder(s) of the job's unix sockets")
+    return rewound

@@ -17,6 +17,7 @@ talking to a system (the adapters), parsing and rendering (the apps). Nothing he
     retention.py    which checkpoints of a job to delete (keep the newest N, pinned ones stay)
     stop.py         how a job is stopped: SIGTERM, a grace period, then SIGKILL
     retry.py        whether a failed dump is tried again, and after what delay
+    rewind.py       what a restore does with each file the job writes: leave, cut back, or refuse
 
 The embedded scheduler (admit, hibernate, resume, migrate) arrives with its own issue.
 """
