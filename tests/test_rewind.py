@@ -111,3 +111,22 @@ def since_restore(log: str) -> list[tuple[int, int]]:
     steps = [(int(s), int(f)) for s, f in re.findall(r"^step (\d+) file (\d+)$", log, re.M)]
     back = next((i for i in range(1, len(steps)) if steps[i][0] <= steps[i - 1][0]), len(steps))
     return steps[back:]
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(120)
+def test_a_rollback_warns_of_files_rewritten_in_place_after_the_checkpoint(
+    torpor: Torpor, tmp_path: Path
+) -> None:
+    data = tmp_path / "counter.db"
+    data.write_bytes(bytes(8))
+    torpor.run("run", "--name", "rw", *python_job("rewriter.py", str(data)))
+    torpor.wait_log("rw", "step 3\n")
+    hibernated = torpor.json("hibernate", "rw")["id"]
+    # a resume of the hibernation: the file is as the job left it, nothing to warn of
+    resumed = torpor.run("resume", "rw")
+    assert "read-write" not in resumed.stderr, resumed.stderr
+    torpor.wait_log("rw", "step 30\n")
+    rolled = torpor.run("restore", "--from", hibernated, "--force", "rw")
+    assert "opened read-write were modified after checkpoint" in rolled.stderr, rolled.stderr
+    assert str(data) in rolled.stderr

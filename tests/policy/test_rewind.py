@@ -4,7 +4,7 @@ are cut back without asking; a file someone else changed since the job stopped i
 
 from __future__ import annotations
 
-from torpor.policy.rewind import FileState, WrittenFile, changes, plan
+from torpor.policy.rewind import FileState, WrittenFile, changed_inside, changes, plan
 
 STOPPED = 1_000_000_000_000
 
@@ -104,3 +104,16 @@ def test_changes_lists_each_difference() -> None:
         "size 1 → 2 bytes",
         "modified (mtime)",
     ]
+
+
+def test_changed_inside_names_read_write_files_modified_after_the_checkpoint() -> None:
+    def written(path: str, mtime_ns: int, read_write: bool) -> WrittenFile:
+        return WrittenFile(path, 8, True, FileState(8, mtime_ns, 1), read_write=read_write)
+
+    files = [
+        written("/db/rewritten", 2_000, True),
+        written("/db/untouched", 500, True),
+        written("/log/written-at-its-end", 2_000, False),
+        WrittenFile("/db/gone", 8, True, None, read_write=True),
+    ]
+    assert changed_inside(files, checkpoint_ns=1_000) == ["/db/rewritten"]

@@ -44,6 +44,7 @@ class OpenFile:
     size: int | None  # CRIU checks this size on restore; None when it does not (e.g. O_APPEND logs)
     append: bool = False  # opened with O_APPEND
     pos: int = 0  # the descriptor's file offset at the dump (for O_APPEND: the end at its last write)
+    read_write: bool = False  # opened O_RDWR (a database's files): written anywhere, not only at the end
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -190,6 +191,7 @@ def open_files(images_dir: Path) -> list[OpenFile]:
                 size=size if isinstance(size, int) else None,
                 append=bool(flags & _O_APPEND),
                 pos=pos if isinstance(pos, int) else 0,
+                read_write=(flags & _O_ACCMODE) == _O_RDWR,
             )
         )
     return found

@@ -157,6 +157,7 @@ def prepare_world(
     job_dir = ctx.settings.job_dir(job.name)
     rewound_dir = job_dir / "rewound"
     latest = ctx.records.latest_checkpoint(job.name)
+    checkpoint = ctx.records.find_checkpoint(job.name, checkpoint_id)
     stopped_here = job.state == JobState.HIBERNATED and latest is not None and latest.id == checkpoint_id
     at_stop = {}
     if job.state == JobState.HIBERNATED:
@@ -175,11 +176,19 @@ def prepare_world(
         at_stop=at_stop,
         stopped_ns=int(job.ended_at * 1e9) if job.ended_at else None,
         rewind=rewind,
+        checkpoint_ns=None if stopped_here else int(checkpoint.created_at * 1e9),
     )
     if rewound.paths:
         progress(
             f"rewound {len(rewound.paths)} file(s) the job writes to their size at the checkpoint "
             f"(later bytes saved under {rewound_dir})"
+        )
+    if rewound.changed_inside:
+        warn(
+            f"{len(rewound.changed_inside)} file(s) the job opened read-write were modified after checkpoint "
+            f"{checkpoint_id}: torpor cut back what was added to them, but what was rewritten inside them "
+            "stays, so the restored job may find them ahead of its memory (a database's files: restore it "
+            f"with them only if the program recovers from that): {', '.join(rewound.changed_inside)}"
         )
     if rewound.changed_elsewhere:
         progress(

@@ -59,6 +59,11 @@ def written_sizes(files: list[OpenFile]) -> dict[Path, tuple[int, bool]]:
     return sizes
 
 
+def read_write_paths(files: list[OpenFile]) -> set[Path]:
+    """The regular files the job had open read-write (``O_RDWR``): those it may have written anywhere."""
+    return {Path(f.path if f.path.startswith("/") else "/" + f.path) for f in files if f.read_write}
+
+
 def file_state(path: Path) -> policy.FileState | None:
     """``lstat`` of ``path`` as the policy sees it; None when there is nothing there."""
     try:
@@ -123,6 +128,7 @@ class Rewound:
 
     done: list[_Done] = field(default_factory=list)
     changed_elsewhere: list[str] = field(default_factory=list)
+    changed_inside: list[str] = field(default_factory=list)  # see policy.rewind.changed_inside
 
     @property
     def paths(self) -> list[str]:
@@ -171,18 +177,23 @@ def rewind_written_files(
     at_stop: dict[str, policy.FileState] | None = None,
     stopped_ns: int | None = None,
     rewind: bool = False,
+    checkpoint_ns: int | None = None,
 ) -> Rewound:
     """Bring the files the job had open for writing back to their size at the checkpoint, as planned.
 
     ``at_stop``/``stopped_ns``: what is known of the files when the job stopped (see
     :mod:`torpor.policy.rewind`); ``rewind``: cut files someone else changed too (``--rewind``).
+    ``checkpoint_ns``: when the checkpoint was taken, to name the read-write files modified since (the
+    result's ``changed_inside``); None: the caller does not ask.
     Files in ``keep`` (the job's own output log, a record of all that happened) are left as they are.
     Raises before changing anything when the plan refuses; the bytes cut off are saved under
     ``keep_dir`` before each cut.
     """
     at_stop = at_stop or {}
     files = []
-    for path, (size, checked) in written_sizes(open_files(image_dir)).items():
+    opened = open_files(image_dir)
+    read_write = read_write_paths(opened)
+    for path, (size, checked) in written_sizes(opened).items():
         if path in keep:
             continue
         now = file_state(path)
@@ -196,11 +207,15 @@ def rewind_written_files(
                 )
             if not stat.S_ISREG(path.lstat().st_mode):
                 continue
-        files.append(policy.WrittenFile(str(path), size, checked, now, at_stop.get(str(path))))
+        files.append(
+            policy.WrittenFile(str(path), size, checked, now, at_stop.get(str(path)), path in read_write)
+        )
     plan = policy.plan(files, stopped_ns, rewind)
     if not plan.proceed:
         raise _refusal(plan.refusals)
     result = Rewound(changed_elsewhere=list(plan.changed_elsewhere))
+    if checkpoint_ns is not None:
+        result.changed_inside = policy.changed_inside(files, checkpoint_ns)
     try:
         for cut in plan.cuts:
             result.done.append(_cut(Path(cut.path), cut.size, keep_dir))

@@ -19,7 +19,13 @@ job stopped" means depends on what is known:
 A file that is gone though it was there when the job stopped cannot be given back to the job: that is
 refused, ``--rewind`` or not. One missing with nothing recorded is left to CRIU (a file the job had
 deleted itself is in the image, and CRIU recreates it). A file CRIU checks that is now shorter than at
-the checkpoint cannot be made consistent either. The core gathers the states and acts
+the checkpoint cannot be made consistent either.
+
+Cutting a file back undoes what was added to it, not what was changed inside it: a file the job opened
+read-write (a database's pages) and modified after the checkpoint keeps those changes when the job is
+rolled back or resumed after it ran on (:func:`changed_inside`: the restore warns of them).
+
+The core gathers the states and acts
 (:mod:`torpor.core.rewind`); nothing here touches a file.
 """
 
@@ -50,6 +56,7 @@ class WrittenFile:
     checked: bool  # CRIU refuses to restore unless the size is exactly that (not O_APPEND)
     now: FileState | None  # None: no file at that path now
     at_stop: FileState | None = None  # recorded when the job last stopped, if it was
+    read_write: bool = False  # opened O_RDWR: it may have been written anywhere, not only at its end
 
 
 @dataclass(frozen=True)
@@ -141,3 +148,17 @@ def plan(files: list[WrittenFile], stopped_ns: int | None, rewind: bool) -> Plan
                 )
             )
     return Plan(tuple(cuts), tuple(refusals), tuple(elsewhere))
+
+
+def changed_inside(files: list[WrittenFile], checkpoint_ns: int) -> list[str]:
+    """The files opened read-write that were modified after the checkpoint (taken at ``checkpoint_ns``).
+
+    A cut brings back their size, not the bytes the job (or anyone) rewrote in place since, so a job
+    restored on them may find its files ahead of its memory: the restore warns of them. A file opened to
+    append or write-only is written at its end, which the cut undoes exactly.
+    """
+    return [
+        file.path
+        for file in files
+        if file.read_write and file.now is not None and file.now.mtime_ns > checkpoint_ns
+    ]
