@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Install the real programs the test suite runs under torpor (tests/programs): PostgreSQL with pgbench,
-# tmux, sqlite3, and gcc. From the machine's own Debian repositories; skips the work when all are present.
+# tmux, sqlite3, and gcc; and nft (nftables), with which torpor releases the network lock CRIU leaves for a
+# hibernated job that is removed or rolled back (src/torpor/adapters/netlock.py). From the machine's own
+# Debian repositories; skips the work when all are present.
 #
-# torpor itself needs none of them. PostgreSQL's package may start the system's cluster; the tests never
+# torpor needs none of the programs (gcc builds its rlimit shim for criu; without nft those locks stay).
+# PostgreSQL's package may start the system's cluster; the tests never
 # use it: they create their own cluster in a temporary folder and start it as a torpor job.
 set -euo pipefail
 
-packages=(postgresql postgresql-contrib tmux sqlite3 gcc libc6-dev)
+packages=(postgresql postgresql-contrib tmux sqlite3 gcc libc6-dev nftables)
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
 have_all() {
     local tool
-    for tool in tmux sqlite3 gcc runuser; do
+    for tool in tmux sqlite3 gcc runuser nft; do
         PATH=/usr/local/sbin:/usr/sbin:/sbin:$PATH command -v "$tool" >/dev/null || return 1
     done
     local bin
@@ -20,7 +23,7 @@ have_all() {
 }
 
 if have_all; then
-    echo "programs: PostgreSQL ($(pg_bin)), tmux, sqlite3 and gcc already installed"
+    echo "programs: PostgreSQL ($(pg_bin)), tmux, sqlite3, gcc and nft already installed"
     exit 0
 fi
 
@@ -40,4 +43,4 @@ if ! apt-cache show postgresql >/dev/null 2>&1 || ! apt_install; then
     apt_install
 fi
 have_all || { echo "programs: packages installed but a tool is missing" >&2; exit 1; }
-echo "programs: installed PostgreSQL ($(pg_bin)), tmux, sqlite3 and gcc"
+echo "programs: installed PostgreSQL ($(pg_bin)), tmux, sqlite3, gcc and nft"

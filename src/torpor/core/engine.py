@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import gpu, system
+from torpor.adapters import gpu, netlock, system
 from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
@@ -399,7 +399,21 @@ class Engine:
         finally:
             if pages is not None:
                 pages.close()
+        hibernation = self.records.latest_checkpoint(job.name)
+        if previous.state == JobState.HIBERNATED and hibernation and hibernation.id != checkpoint.id:
+            self._release_network_lock(job.name, hibernation.id, progress)
         return self.records.job(job.name), checkpoint, time.monotonic() - started
+
+    def _release_network_lock(self, name: JobName, hibernation: CheckpointId, progress: Progress) -> None:
+        """Drop the network lock the dump of ``hibernation`` left: no restore of that image will drop it.
+
+        Called once the job is removed while hibernated, or restored from another checkpoint
+        (:mod:`torpor.adapters.netlock`); the peers of its connections then get a reset, not silence.
+        """
+        run = netlock.run_id(self.ctx.criu_log(name, "dump", hibernation))
+        released = netlock.release(run) if run else []
+        if released:
+            progress(f"released the network lock of hibernation {hibernation} (nftables table {released[0]})")
 
     def wait_lazy(self, name: str, progress: Progress = quiet) -> None:
         """After a lazy restore, return once all of the job's memory is in; raise if that killed it.
@@ -466,6 +480,9 @@ class Engine:
             self.stop(job.name, grace_s=0)
             if launcher and launcher != os.getpid():  # let it finish with the record before it goes
                 system.wait_gone(launcher, None, 10)
+        hibernation = self.records.latest_checkpoint(job.name)
+        if job.state == JobState.HIBERNATED and hibernation is not None:
+            self._release_network_lock(job.name, hibernation.id, quiet)
         removed: list[CheckpointId] = []
         for checkpoint in self.records.checkpoints(job.name):
             self.ctx.store.delete(checkpoint.id)
