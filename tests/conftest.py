@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -128,6 +131,49 @@ def holders(path: Path) -> list[int]:
 
 def python_job(script: str, *args: str) -> list[str]:
     return ["--", sys.executable, "-u", str(JOBS / script), *args]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def readable_folder() -> Iterator[Path]:
+    """A folder every user may look into (pytest's tmp_path is root's alone), removed after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="torpor-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class OutsideUnixServer:
+    """A unix stream server at ``path`` in the test process, outside every job; it accepts one client."""
+
+    def __init__(self, path: str) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(1)
+        self.accepted: list[socket.socket] = []
+        self.thread = threading.Thread(
+            target=lambda: self.accepted.append(self.server.accept()[0]), daemon=True
+        )
+        self.thread.start()
+
+    def connection(self, timeout: float = 10) -> socket.socket:
+        """The client's connection, once it came (within ``timeout`` seconds)."""
+        self.thread.join(timeout)
+        return self.accepted[0]
+
+    def __enter__(self) -> OutsideUnixServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for conn in self.accepted:
+            conn.close()
+        self.server.close()
 
 
 #: ``mount(name, options)``: a tmpfs mounted (with those options) on a new folder of the test's tmp_path

@@ -15,7 +15,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -113,21 +112,12 @@ class Attacker:
 
 
 @pytest.fixture
-def base() -> Iterator[Path]:
-    """A folder anyone may look into (as a real home's parent is), holding the test's homes."""
-    folder = Path(tempfile.mkdtemp(prefix="torpor-attack-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-def attacker(base: Path) -> Iterator[Attacker]:
+def attacker(readable_folder: Path) -> Iterator[Attacker]:
     name = f"tpatk{uuid.uuid4().hex[:8]}"
     subprocess.run(["useradd", "-m", "-s", "/usr/sbin/nologin", name], check=True, capture_output=True)
     try:
         entry = pwd.getpwnam(name)
-        den = base / "attacker"
+        den = readable_folder / "attacker"
         den.mkdir()
         os.chown(den, entry.pw_uid, entry.pw_gid)
         user = Attacker(name, entry.pw_uid, entry.pw_gid, den)
@@ -152,10 +142,10 @@ def clean_up(torpor: Torpor) -> None:
 
 
 def test_another_user_reads_nothing_of_a_root_job_and_redirects_no_write(
-    base: Path, attacker: Attacker
+    readable_folder: Path, attacker: Attacker
 ) -> None:
     secret = f"torpor-secret-{uuid.uuid4().hex}"
-    torpor = torpor_at(base / "home")
+    torpor = torpor_at(readable_folder / "home")
     hot = Settings(home=torpor.home).hot_path
     try:
         torpor.run("run", "--name", "s", "--", sys.executable, "-u", "-c", JOB, secret)
@@ -178,7 +168,7 @@ def test_another_user_reads_nothing_of_a_root_job_and_redirects_no_write(
         for files in (list(image.iterdir()), list(torpor.home.glob("torpor.db*"))):
             assert any(secret.encode() in p.read_bytes() for p in files), files
 
-        report = attacker.attack([base, hot], secret, plants)
+        report = attacker.attack([readable_folder, hot], secret, plants)
         mine = str(attacker.den)
         assert [p for p in report["read"] if not p.startswith(mine)] == []
         assert report["secret"] == [] and report["denied"] > 0
@@ -189,7 +179,7 @@ def test_another_user_reads_nothing_of_a_root_job_and_redirects_no_write(
         torpor.wait_state("s", "running")
         torpor.wait_log("s", "step 5")
         torpor.run("checkpoint", "s", "--wait")
-        report = attacker.attack([base, hot], secret, plants)
+        report = attacker.attack([readable_folder, hot], secret, plants)
         assert [p for p in report["read"] if not p.startswith(mine)] == []
         assert report["secret"] == [] and report["planted"] == []
         assert attacker.bait.read_bytes() == b""
@@ -197,8 +187,10 @@ def test_another_user_reads_nothing_of_a_root_job_and_redirects_no_write(
         clean_up(torpor)
 
 
-def test_a_default_hot_tier_another_user_made_first_is_refused(base: Path, attacker: Attacker) -> None:
-    torpor = torpor_at(base / "other-home")
+def test_a_default_hot_tier_another_user_made_first_is_refused(
+    readable_folder: Path, attacker: Attacker
+) -> None:
+    torpor = torpor_at(readable_folder / "other-home")
     hot = Settings(home=torpor.home).hot_path  # predictable: /dev/shm/torpor-<hash of home>
     try:
         made = attacker.run(

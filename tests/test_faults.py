@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import TORPOR, MountTmpfs, Torpor, python_job
+from conftest import TORPOR, MountTmpfs, OutsideUnixServer, Torpor, python_job
 from torpor.adapters import system
 
 pytestmark = pytest.mark.timeout(180)
@@ -155,30 +153,23 @@ def test_disk_full_while_dumping(torpor: Torpor, tmpfs: MountTmpfs) -> None:
 @pytest.mark.criu
 def test_dump_failure_leaves_job_running_and_shows_criu_log(torpor: Torpor, tmp_path: Path) -> None:
     path = str(tmp_path / "outside.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
-    try:
-        torpor.run("run", "--name", "ext", *python_job("external_unix.py", path))
-        torpor.wait_log("ext", "step 2")
-        for verb in ("checkpoint", "hibernate"):
-            result = torpor.run(verb, "ext", check=False)
-            # in torpor's words: which socket, which process outside the job (this one), what to do
-            assert_one_line_error(
-                result, 4, f"the job is connected to the unix socket {path} of pid {os.getpid()}"
-            )
-            assert "or checkpoint or hibernate with --ext-unix-sk" in result.stderr
-            assert "External socket is used" in result.stderr  # the CRIU log lines that explain it
-            assert "the job is still running" in result.stderr
-            assert_running_not_frozen(torpor, "ext")
-        assert torpor.json("checkpoints") == []
-    finally:
-        torpor.run("rm", "--force", "ext", check=False)
-        for conn in accepted:
-            conn.close()
-        server.close()
+    with OutsideUnixServer(path):
+        try:
+            torpor.run("run", "--name", "ext", *python_job("external_unix.py", path))
+            torpor.wait_log("ext", "step 2")
+            for verb in ("checkpoint", "hibernate"):
+                result = torpor.run(verb, "ext", check=False)
+                # in torpor's words: which socket, which process outside the job (this one), what to do
+                assert_one_line_error(
+                    result, 4, f"the job is connected to the unix socket {path} of pid {os.getpid()}"
+                )
+                assert "or checkpoint or hibernate with --ext-unix-sk" in result.stderr
+                assert "External socket is used" in result.stderr  # the CRIU log lines that explain it
+                assert "the job is still running" in result.stderr
+                assert_running_not_frozen(torpor, "ext")
+            assert torpor.json("checkpoints") == []
+        finally:
+            torpor.run("rm", "--force", "ext", check=False)
 
 
 @pytest.mark.criu

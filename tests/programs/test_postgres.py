@@ -19,7 +19,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Torpor
+from conftest import Torpor, free_port
 
 pytestmark = [
     pytest.mark.criu,
@@ -84,12 +83,6 @@ def mapped_from_dev_shm(job_pid: int) -> set[str]:
         except OSError:  # gone meanwhile
             continue
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,15 +58,6 @@ def user() -> Iterator[pwd.struct_passwd]:
         yield pwd.getpwnam(name)
     finally:
         subprocess.run(["userdel", "-f", name], check=False, capture_output=True)
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A folder every user may read (pytest's tmp_path is root's alone), removed after the test."""
-    folder = Path(tempfile.mkdtemp(prefix="torpor-runas-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def criu_in_use() -> Path:
@@ -121,9 +111,9 @@ def test_a_job_of_another_user_is_checkpointed_hibernated_and_resumed(
 @pytest.mark.root("to run processes as two other users")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (scripts/install-programs.sh)")
 def test_the_shim_answers_every_limit_of_another_users_process_from_proc(
-    shared_dir: Path, user: pwd.struct_passwd
+    readable_folder: Path, user: pwd.struct_passwd
 ) -> None:
-    shim = shared_dir / "shim.so"
+    shim = readable_folder / "shim.so"
     subprocess.run(
         ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(shim), str(SHIM_SOURCE)],
         check=True,

@@ -20,12 +20,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import Torpor, python_job
+from conftest import OutsideUnixServer, Torpor, free_port, python_job
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
 
@@ -76,16 +75,9 @@ def test_outside_client_on_a_job_unix_socket(torpor: Torpor, tmp_path: Path) -> 
 
 def test_job_connected_to_an_outside_unix_server(torpor: Torpor, tmp_path: Path) -> None:
     path = str(tmp_path / "outside.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    accepted: list[socket.socket] = []
-    thread = threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True)
-    thread.start()
-    try:
+    with OutsideUnixServer(path) as server:
         torpor.run("run", "--name", "cli", *python_job("external_unix.py", path))
-        thread.join(10)
-        conn = accepted[0]
+        conn = server.connection()
         conn.sendall(b"ping")
         torpor.wait_log("cli", "got ping")
         torpor.run("checkpoint", "--ext-unix-sk", "cli")
@@ -96,10 +88,6 @@ def test_job_connected_to_an_outside_unix_server(torpor: Torpor, tmp_path: Path)
         log = torpor.wait_log("cli", "peer closed")
         last_step = max(int(n) for n in re.findall(r"step (\d+)", log))
         torpor.wait_log("cli", f"step {last_step + 3}\n")
-    finally:
-        for conn in accepted:
-            conn.close()
-        server.close()
 
 
 def test_job_sending_datagrams_to_an_outside_address(torpor: Torpor, tmp_path: Path) -> None:
@@ -128,12 +116,6 @@ def test_job_sending_datagrams_to_an_outside_address(torpor: Torpor, tmp_path: P
         assert "send failed" not in torpor.log("dg")
     finally:
         receiver.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_http_server_keeps_a_keep_alive_connection(torpor: Torpor, tmp_path: Path) -> None:

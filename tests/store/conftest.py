@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from torpor.adapters.folder import FolderBackend
 from torpor.core.store.backend import Backend
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
@@ -32,16 +33,10 @@ S3_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A real S3-compatible HTTP server (moto's server mode) on an ephemeral loopback port."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [MOTO, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
