@@ -12,7 +12,7 @@ UNIT := not criu and not root and not slurm and not torch and not s3 and not slo
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh scripts/install-criu.sh scripts/criu-rlimits.c scripts/install-slurm.sh scripts/install-programs.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install-criu.sh scripts/criu-rlimits.c scripts/install-slurm.sh scripts/install-programs.sh scripts/apt-install.sh
 	bash scripts/setup.sh
 
 demo: setup

@@ -27,20 +27,7 @@ if have_all; then
     exit 0
 fi
 
-if [ "$(id -u)" -ne 0 ]; then
-    echo "programs: installing ${packages[*]} needs root (apt-get); run this script as root" >&2
-    exit 1
-fi
-
-export DEBIAN_FRONTEND=noninteractive
-apt_install() {
-    apt-get install -y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        --no-install-recommends "${packages[@]}"
-}
-# the package lists may be missing (fresh container) or stale: refresh them once, only if needed
-if ! apt-cache show postgresql >/dev/null 2>&1 || ! apt_install; then
-    apt-get update -q
-    apt_install
-fi
+source "$(dirname "$0")/apt-install.sh"
+debian_install programs "${packages[@]}"
 have_all || { echo "programs: packages installed but a tool is missing" >&2; exit 1; }
 echo "programs: installed PostgreSQL ($(pg_bin)), tmux, sqlite3, gcc and nft"

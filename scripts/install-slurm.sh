@@ -21,20 +21,7 @@ if have_all; then
     exit 0
 fi
 
-if [ "$(id -u)" -ne 0 ]; then
-    echo "slurm: installing slurm-wlm and munge needs root (apt-get); run this script as root" >&2
-    exit 1
-fi
-
-export DEBIAN_FRONTEND=noninteractive
-apt_install() {
-    apt-get install -y -q -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        --no-install-recommends slurm-wlm munge
-}
-# the package lists may be missing (fresh container) or stale: refresh them once, only if needed
-if ! apt-cache show slurm-wlm >/dev/null 2>&1 || ! apt_install; then
-    apt-get update -q
-    apt_install
-fi
+source "$(dirname "$0")/apt-install.sh"
+debian_install slurm slurm-wlm munge
 have_all || { echo "slurm: slurm-wlm installed but its tools are missing from PATH" >&2; exit 1; }
 echo "slurm: installed $(version)"
