@@ -10,6 +10,7 @@ job; this module only reads what it wrote.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,28 +59,29 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def fields(buf: bytes) -> dict[int, int | bytes]:
-    """Decode one protobuf message into {field number: value} (last value wins; enough for our needs)."""
-    out: dict[int, int | bytes] = {}
+def _values(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """The (field number, value) pairs of one protobuf message, in order."""
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
+        value: int | bytes
         if wire == 0:
-            out[number], pos = _varint(buf, pos)
+            value, pos = _varint(buf, pos)
         elif wire == 2:
             length, pos = _varint(buf, pos)
-            out[number] = buf[pos : pos + length]
-            pos += length
-        elif wire == 1:
-            out[number] = int.from_bytes(buf[pos : pos + 8], "little")
-            pos += 8
-        elif wire == 5:
-            out[number] = int.from_bytes(buf[pos : pos + 4], "little")
-            pos += 4
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
-    return out
+        yield number, value
+
+
+def fields(buf: bytes) -> dict[int, int | bytes]:
+    """Decode one protobuf message into {field number: value} (last value wins; enough for our needs)."""
+    return dict(_values(buf))
 
 
 def records(raw: bytes, partial: bool = False) -> list[bytes]:
@@ -199,25 +201,7 @@ def open_files(images_dir: Path) -> list[OpenFile]:
 
 def repeated(buf: bytes, number: int) -> list[int | bytes]:
     """Every value of field ``number`` in one protobuf message, in order (for repeated fields)."""
-    out: list[int | bytes] = []
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        value: int | bytes
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = buf[pos : pos + length], pos + length
-        elif wire in (1, 5):
-            width = 8 if wire == 1 else 4
-            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        if key >> 3 == number:
-            out.append(value)
-    return out
+    return [value for field, value in _values(buf) if field == number]
 
 
 def shared_file_mappings(images_dir: Path) -> list[str]:
