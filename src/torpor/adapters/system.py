@@ -373,7 +373,11 @@ def io_uring_users(pids: list[int]) -> list[int]:
 
 
 def command_line(pid: int, limit: int = 120) -> str:
-    """``pid``'s command line as one line (at most ``limit`` characters), or its name when it has none."""
+    """``pid``'s command line as one line (at most ``limit`` characters), or its name when it has none.
+
+    A line too long has its absolute paths shortened to their last part first (``/long/venv/bin/python3``
+    to ``python3``), so that the program and its script stay readable wherever they are installed.
+    """
     try:
         words = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
         text = " ".join(w.decode(errors="replace") for w in words if w)
@@ -382,6 +386,8 @@ def command_line(pid: int, limit: int = 120) -> str:
     except OSError:
         return "?"
     text = " ".join(text.split())  # one line, whatever newlines an argument (python -c) holds
+    if len(text) > limit:
+        text = " ".join(word.rsplit("/", 1)[-1] if word.startswith("/") else word for word in text.split(" "))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
