@@ -17,6 +17,10 @@ from typing import Any
 from torpor import __version__
 from torpor.adapters import system
 from torpor.apps import machine, slurm
+from torpor.apps.agent import commands as agent_commands
+from torpor.apps.agent.client import AgentClient, RemoteEngine
+from torpor.apps.agent.serve import socket_path
+from torpor.apps.agent.wire import status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, table
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
@@ -28,12 +32,7 @@ from torpor.settings import Settings
 
 
 def _status_dict(status: JobStatus) -> dict[str, Any]:
-    job = status.job
-    data: dict[str, Any] = asdict(job)
-    data["state"] = str(job.state)
-    data["rss_bytes"] = status.rss_bytes
-    data["last_checkpoint"] = asdict(status.last_checkpoint) if status.last_checkpoint else None
-    return data
+    return status_to_dict(status)
 
 
 # -- commands ---------------------------------------------------------------------------------------------
@@ -43,11 +42,17 @@ def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    policy = agent_commands.policy_for_run(args)  # checked before the job starts
     job = engine.run(args.name, command, os.getcwd())
+    if policy is not None:
+        engine.records.set_policy(job.name, policy)
     if args.json:
         emit_json(_status_dict(engine.status(job.name)))
     else:
         print(f"started job '{job.name}' (pid {job.pid}); output: torpor logs {job.name}")
+        if policy is not None:
+            agent = "" if socket_path(engine.settings).exists() else " (once 'torpor agent' runs)"
+            print(f"the agent will: {policy.describe()}{agent}")
         if torchrun.is_adapted(job.command):
             print(torchrun.NOTE)
     return 0
@@ -281,6 +286,10 @@ def cmd_rm(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+#: what the CLI asks the agent to do when one runs (the rest only reads the state directory, or is run
+#: with the caller's environment: ``run``)
+THROUGH_THE_AGENT = frozenset({"ps", "checkpoint", "hibernate", "resume", "restore", "stop", "rm"})
+
 # -- parser ----------------------------------------------------------------------------------------------
 
 
@@ -310,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", "start COMMAND as a supervised job and return (the job survives the terminal)", job=False)
     p.add_argument("--name", help="job name (default: derived from the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    agent_commands.add_policy_flags(p, for_run=True)
     p.epilog = (
         "torchrun (or python -m torch.distributed.run) is started with its TCPStore without libuv, whose "
         "io_uring CRIU cannot checkpoint (docs/architecture.md)."
@@ -389,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rm)
 
     machine.add_parsers(sub, add)
+    agent_commands.add_parsers(sub, add)
     slurm.add_parser(sub)
     return parser
 
@@ -404,7 +415,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return machine.cmd_doctor(settings, args)
         if args.command_name == "store":
             return machine.cmd_store(settings, args)
+        if getattr(args, "needs_settings", False):
+            return int(args.func(settings, args))
         engine = Engine(settings)
+        if args.command_name in THROUGH_THE_AGENT:
+            client = AgentClient.if_running(socket_path(settings))
+            if client is not None:
+                try:
+                    return int(args.func(RemoteEngine(client, engine), args))
+                finally:
+                    client.close()
         return int(args.func(engine, args))
     except TorporError as exc:
         if args.debug:

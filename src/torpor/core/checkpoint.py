@@ -212,8 +212,12 @@ def _empty_folder(images_dir: Path) -> None:
 
 
 def apply_retention(ctx: Context, name: JobName, progress: Progress = quiet) -> list[CheckpointId]:
-    """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids."""
-    keep = ctx.store.config.keep_last  # the state directory's, as it is now
+    """Delete the job's checkpoints beyond the newest ``keep_last`` (pinned ones stay); their ids.
+
+    ``keep_last`` is the job's own (``--keep`` of its policy) when it has one, else the state directory's.
+    """
+    own = ctx.records.care(name).policy.keep
+    keep = own if own is not None else ctx.store.config.keep_last  # the state directory's, as it is now
     if keep <= 0:
         return []
     checkpoints = ctx.records.checkpoints(name)

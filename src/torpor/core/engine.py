@@ -10,6 +10,7 @@ store's (:meth:`~torpor.core.store.ImageStore.restore_source`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -90,6 +91,7 @@ class Engine:
     def run(self, name: str | None, command: list[str], cwd: str) -> Job:
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
+        self.refuse_if_draining("start a job")
         program = shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None)
         if program is None:
             raise UsageError(f"command not found: {command[0]}")
@@ -109,6 +111,15 @@ class Engine:
                 self.records.transition(job_name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
             raise
         return self.records.job(job.name)
+
+    def refuse_if_draining(self, what: str) -> None:
+        """A draining node (``torpor drain``, a notice, the agent's shutdown) takes no new work."""
+        draining = self.records.node_flag("draining")
+        if draining is not None:
+            why = json.loads(draining).get("why", "")
+            raise WrongState(
+                f"cannot {what}: this node is being evacuated ({why}); 'torpor drain --cancel' ends that"
+            )
 
     def _start_launcher(self, name: JobName, mode: LaunchMode) -> PendingLauncher:
         """A detached launcher for job ``name``, waiting for :meth:`PendingLauncher.release`."""
@@ -298,6 +309,7 @@ class Engine:
         ``warn`` is told what a rollback cannot bring back (files the job maps shared).
         """
         job = self.reconcile(self.records.job(name))
+        self.refuse_if_draining(f"restore '{name}'")
         checkpoint = (
             self.records.find_checkpoint(job.name, ref)
             if ref is not None

@@ -20,6 +20,7 @@ from typing import NewType
 
 from torpor.adapters import system
 from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
+from torpor.policy.jobpolicy import JobPolicy
 
 JobName = NewType("JobName", str)
 CheckpointId = NewType("CheckpointId", str)
@@ -120,7 +121,46 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     parent TEXT
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_job ON checkpoints(job, created_at);
+CREATE TABLE IF NOT EXISTS policies (
+    job TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
+    policy TEXT NOT NULL,
+    -- why the agent hibernated the job (idle, evacuation, shutdown), and the addresses it listened on
+    hibernated_by TEXT,
+    listened TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    job TEXT,
+    action TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
 """
+
+
+@dataclass(frozen=True)
+class Care:
+    """What the agent keeps for a job: its policy, and why and where from it hibernated the job."""
+
+    policy: JobPolicy
+    #: ``idle``, ``evacuation``, ``shutdown``: the agent hibernated the job for that reason (None: it did not)
+    hibernated_by: str | None = None
+    #: the TCP addresses the job listened on when it was hibernated, ``[host, port]`` each
+    listened: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something torpor did by itself (or was asked to, through the agent): what, to whom, why, at what cost."""
+
+    id: int
+    at: float
+    job: JobName | None
+    action: str
+    reason: str
+    #: the cost and outcome: freeze_s, size_bytes, total_s, freed_bytes, durable_s, error…
+    detail: dict[str, object]
 
 
 class Records:
@@ -246,6 +286,7 @@ class Records:
     def delete_job(self, name: JobName) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
+            db.execute("DELETE FROM policies WHERE job=?", (name,))
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -305,6 +346,90 @@ class Records:
     def delete_checkpoint(self, checkpoint_id: CheckpointId) -> None:
         with self.transaction() as db:
             db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint_id,))
+
+    # -- the agent's: policies, marks, events, the node's state ------------------------------------
+
+    def set_policy(self, name: JobName, policy: JobPolicy) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO policies(job, policy) VALUES (?, ?) ON CONFLICT(job) DO UPDATE SET policy=excluded.policy",
+                (name, json.dumps(policy.to_dict())),
+            )
+
+    def care(self, name: str) -> Care:
+        """The agent's record of job ``name`` (an empty policy when it has none)."""
+        return self.cares().get(JobName(name), Care(JobPolicy()))
+
+    def cares(self) -> dict[JobName, Care]:
+        with self.transaction() as db:
+            rows = db.execute("SELECT * FROM policies").fetchall()
+        return {JobName(row["job"]): _care(row) for row in rows}
+
+    def mark_hibernated(
+        self, name: JobName, by: str | None, listened: tuple[tuple[str, int], ...] = ()
+    ) -> None:
+        """Say the agent hibernated ``name`` (``by``: why), or, with None, that it no longer holds it so."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO policies(job, policy, hibernated_by, listened) VALUES (?, ?, ?, ?) ON CONFLICT(job)"
+                " DO UPDATE SET hibernated_by=excluded.hibernated_by, listened=excluded.listened",
+                (name, json.dumps(JobPolicy().to_dict()), by, json.dumps([list(a) for a in listened])),
+            )
+
+    def add_event(self, job: str | None, action: str, reason: str, **detail: object) -> Event:
+        at = time.time()
+        with self.transaction() as db:
+            cursor = db.execute(
+                "INSERT INTO events(at, job, action, reason, detail) VALUES (?,?,?,?,?)",
+                (at, job, action, reason, json.dumps(detail, default=str)),
+            )
+            event_id = cursor.lastrowid
+        assert event_id is not None
+        return Event(event_id, at, JobName(job) if job else None, action, reason, detail)
+
+    def events(self, after: int = 0, job: str | None = None, limit: int | None = None) -> list[Event]:
+        """Events with an id above ``after``, oldest first; with ``limit``, the newest ``limit`` of them."""
+        query = "SELECT * FROM events WHERE id>?" + (" AND job=?" if job else "") + " ORDER BY id DESC"
+        params: tuple[object, ...] = (after, job) if job else (after,)
+        if limit is not None:
+            query += " LIMIT ?"
+            params = (*params, limit)
+        with self.transaction() as db:
+            rows = db.execute(query, params).fetchall()
+        return [_event(row) for row in reversed(rows)]
+
+    def node_flag(self, key: str) -> str | None:
+        """A value the node keeps across restarts (``draining``: why it refuses new jobs)."""
+        with self.transaction() as db:
+            row = db.execute("SELECT value FROM meta WHERE key=?", ("node." + key,)).fetchone()
+        return str(row[0]) if row else None
+
+    def set_node_flag(self, key: str, value: str | None) -> None:
+        with self.transaction() as db:
+            if value is None:
+                db.execute("DELETE FROM meta WHERE key=?", ("node." + key,))
+            else:
+                db.execute(
+                    "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    ("node." + key, value),
+                )
+
+
+def _care(row: sqlite3.Row) -> Care:
+    listened = tuple((str(host), int(port)) for host, port in json.loads(row["listened"] or "[]"))
+    return Care(JobPolicy.from_dict(json.loads(row["policy"])), row["hibernated_by"], listened)
+
+
+def _event(row: sqlite3.Row) -> Event:
+    job = row["job"]
+    return Event(
+        row["id"],
+        row["at"],
+        JobName(job) if job else None,
+        row["action"],
+        row["reason"],
+        json.loads(row["detail"]),
+    )
 
 
 def _job(row: sqlite3.Row) -> Job:

@@ -1,0 +1,272 @@
+"""The agent's HTTP API (FastAPI): the CLI's operations, policies, events and drains; /docs shows it all.
+
+Every operation is the engine's, as the CLI runs it embedded; errors keep their exit code in the body
+(``{"error", "details", "exit_code"}``) with a status that says the kind: 400 bad input, 404 no such
+job or checkpoint, 409 the job is in the wrong state, 500 the operation failed. A long operation
+(checkpoint, restore, drain) asked with ``Accept: application/x-ndjson`` streams its progress lines as it
+goes, one JSON object a line (``{"progress": …}``, ``{"warning": …}``), and ends with ``{"result": …}``
+or ``{"error": …}``.
+
+On TCP every request needs ``Authorization: Bearer TOKEN`` (the token file's content); on the unix
+socket, which only root can open, none does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from torpor import __version__
+from torpor.apps.agent import care, wire
+from torpor.apps.agent.service import BY_DRAIN, Agent
+from torpor.core.context import Progress
+from torpor.errors import CheckpointNotFound as NoCheckpoint
+from torpor.errors import JobNotFound, TorporError, UsageError, WrongState
+from torpor.policy.jobpolicy import JobPolicy
+
+NDJSON = "application/x-ndjson"
+
+
+class RunRequest(BaseModel):
+    command: list[str] = Field(min_length=1, description="the command and its arguments")
+    name: str | None = None
+    cwd: str = Field("/", description="the job's working directory")
+    policy: dict[str, Any] = Field(default_factory=dict, description="fields of the job's policy")
+
+
+class CheckpointRequest(BaseModel):
+    hibernate: bool = False
+    ext_unix_sk: bool = False
+    wait: bool = Field(False, description="return once the image is durable")
+
+
+class RestoreRequest(BaseModel):
+    checkpoint: str | None = Field(None, description="checkpoint id or prefix (default: the latest)")
+    force: bool = False
+    lazy: bool = False
+    rewind: bool = False
+
+
+class StopRequest(BaseModel):
+    timeout_s: float | None = Field(None, ge=0)
+
+
+class DrainRequest(BaseModel):
+    why: str = "torpor drain"
+    deadline_s: float | None = Field(None, gt=0)
+
+
+def status_of(error: TorporError) -> int:
+    if isinstance(error, JobNotFound | NoCheckpoint):
+        return 404
+    if isinstance(error, WrongState):
+        return 409
+    if isinstance(error, UsageError):
+        return 400
+    return 500
+
+
+def error_body(error: TorporError) -> dict[str, Any]:
+    return {"error": error.message, "details": list(error.details), "exit_code": error.exit_code}
+
+
+def create_app(agent: Agent, token: str | None = None) -> FastAPI:
+    """The API of ``agent``; ``token``: what a request over TCP must bring as its bearer token."""
+    app = FastAPI(
+        title="torpor agent",
+        version=__version__,
+        description="The node agent of torpor: jobs, checkpoints, policies, events, drains (docs/agent.md).",
+    )
+    engine, records = agent.engine, agent.records
+
+    @app.middleware("http")
+    async def bearer_on_tcp(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        server = request.scope.get("server")
+        if server is not None and server[1] is not None:  # TCP: (host, port); the unix socket: (path, None)
+            sent = request.headers.get("authorization", "")
+            if token is None or not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return JSONResponse(
+                    {"error": "missing or wrong bearer token", "details": [], "exit_code": 2},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
+
+    @app.exception_handler(TorporError)
+    async def torpor_error(_: Request, error: TorporError) -> JSONResponse:
+        return JSONResponse(error_body(error), status_code=status_of(error))
+
+    def job_dict(name: str) -> dict[str, Any]:
+        status = engine.status(name)
+        return wire.status_to_dict(status, records.care(status.job.name))
+
+    @app.get("/v1/health")
+    def health() -> dict[str, Any]:
+        """The agent's version, pid, state directory, and whether the node drains."""
+        import os
+
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "home": str(agent.settings.home),
+            "started_at": agent.started_at,
+            "draining": agent.draining(),
+        }
+
+    @app.get("/v1/jobs")
+    def jobs() -> list[dict[str, Any]]:
+        """Every job, as ``torpor ps --json`` shows it, with its policy."""
+        cares = records.cares()
+        return [wire.status_to_dict(s, cares.get(s.job.name)) for s in engine.statuses()]
+
+    @app.post("/v1/jobs", status_code=201)
+    def run(body: RunRequest) -> dict[str, Any]:
+        """Start a job (with the agent's environment) and set its policy."""
+        if body.policy:
+            JobPolicy.from_dict(body.policy)  # a bad field is refused before anything starts
+        job = engine.run(body.name, body.command, body.cwd)
+        if body.policy:
+            care.set_policy(records, job.name, body.policy)
+        return job_dict(job.name)
+
+    @app.get("/v1/jobs/{name}")
+    def job(name: str) -> dict[str, Any]:
+        return job_dict(name)
+
+    @app.post("/v1/jobs/{name}/checkpoint")
+    def checkpoint(name: str, body: CheckpointRequest, request: Request) -> Any:
+        """Checkpoint (or hibernate) a running job; with ``wait``, until its image is durable."""
+
+        def work(progress: Progress, warn: Progress) -> dict[str, Any]:
+            before = engine.status(name).rss_bytes
+            taken = engine.checkpoint(
+                name, hibernate=body.hibernate, progress=progress, warn=warn, ext_unix_sk=body.ext_unix_sk
+            )
+            if body.hibernate:
+                records.mark_hibernated(taken.job, None)  # a person's: not the agent's to bring back
+            result: dict[str, Any] = {**wire.checkpoint_to_dict(taken), "freed_rss_bytes": before}
+            verb = "hibernate" if body.hibernate else "checkpoint"
+            agent.event(taken.job, verb, "asked through the API", **_costs(result))
+            if body.wait:
+                image = engine.wait_durable(taken.id, progress=progress)
+                result.update(durable=True, stored_bytes=image.stored_bytes)
+            return result
+
+        return _answer(request, work)
+
+    @app.post("/v1/jobs/{name}/restore")
+    def restore(name: str, body: RestoreRequest, request: Request) -> Any:
+        """Restore a job from its latest checkpoint or the one given; with ``lazy``, until all is in."""
+
+        def work(progress: Progress, warn: Progress) -> dict[str, Any]:
+            job, taken, seconds = engine.restore(
+                name,
+                body.checkpoint,
+                force=body.force,
+                progress=progress,
+                lazy=body.lazy,
+                rewind=body.rewind,
+                warn=warn,
+            )
+            records.mark_hibernated(job.name, None)
+            agent.event(job.name, "resume", "asked through the API", checkpoint=taken.id, restore_s=seconds)
+            return {
+                "job": wire.job_to_dict(job),
+                "checkpoint": wire.checkpoint_to_dict(taken),
+                "restore_s": seconds,
+            }
+
+        return _answer(request, work)
+
+    @app.post("/v1/jobs/{name}/stop")
+    def stop(name: str, body: StopRequest) -> dict[str, Any]:
+        engine.stop(name, grace_s=body.timeout_s)
+        return job_dict(name)
+
+    @app.delete("/v1/jobs/{name}")
+    def remove(name: str, force: bool = False) -> dict[str, Any]:
+        removed = engine.remove(name, force=force)
+        return {"job": name, "removed_checkpoints": removed}
+
+    @app.get("/v1/jobs/{name}/policy")
+    def get_policy(name: str) -> dict[str, Any]:
+        job = records.job(name)
+        return records.care(job.name).policy.to_dict()
+
+    @app.put("/v1/jobs/{name}/policy")
+    def put_policy(name: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change fields of a job's policy (``null`` unsets one); an impossible one is refused (400)."""
+        return care.set_policy(records, name, changes).to_dict()
+
+    @app.get("/v1/events")
+    def events(
+        after: int = Query(0, ge=0, description="only events with a larger id"),
+        job: str | None = None,
+        limit: int | None = Query(None, ge=1, le=10000, description="the newest this many"),
+    ) -> list[dict[str, Any]]:
+        """What torpor did by itself (and what was asked through the agent), oldest first."""
+        return [wire.event_to_dict(e) for e in records.events(after, job, limit)]
+
+    @app.post("/v1/drain")
+    def drain(body: DrainRequest, request: Request) -> Any:
+        """Evacuate the node: hibernate every job into the durable tier, most valuable first; take no new
+        job until ``DELETE /v1/drain``. Returns the report once all is saved or the deadline passed."""
+
+        def work(progress: Progress, warn: Progress) -> dict[str, Any]:
+            progress(f"evacuating ({body.why})")
+            return agent.evacuate(body.why, BY_DRAIN, body.deadline_s).to_dict()
+
+        return _answer(request, work)
+
+    @app.delete("/v1/drain")
+    def undrain() -> dict[str, Any]:
+        """Take new jobs again and resume the jobs the evacuation hibernated."""
+        return {"resumed": agent.undrain()}
+
+    @app.get("/v1/evacuation")
+    def last_evacuation() -> dict[str, Any] | None:
+        report = agent.last_evacuation
+        return report.to_dict() if report else None
+
+    return app
+
+
+def _costs(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result[k] for k in ("freeze_s", "total_s", "size_bytes", "freed_rss_bytes") if k in result}
+
+
+def _answer(request: Request, work: Callable[[Progress, Progress], dict[str, Any]]) -> Any:
+    """``work``'s result as JSON, or, for a client that accepts NDJSON, its progress streamed first."""
+    if NDJSON not in request.headers.get("accept", ""):
+        return work(lambda _: None, lambda _: None)
+    lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def run() -> None:
+        try:
+            lines.put(
+                {"result": work(lambda t: lines.put({"progress": t}), lambda t: lines.put({"warning": t}))}
+            )
+        except TorporError as exc:
+            lines.put({"error": error_body(exc), "status": status_of(exc)})
+        except Exception as exc:
+            lines.put({"error": {"error": f"{type(exc).__name__}: {exc}", "details": [], "exit_code": 1}})
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=run, name="torpor-agent-request", daemon=True).start()
+
+    def stream() -> Iterator[bytes]:
+        while (line := lines.get()) is not None:
+            yield (json.dumps(line, default=str) + "\n").encode()
+
+    return StreamingResponse(stream(), media_type=NDJSON)

@@ -1,0 +1,58 @@
+"""Setting a job's policy: checked in full when it is set, so that it is never found impossible later.
+
+Used by the API and by the CLI alike (``torpor run --checkpoint-every``, ``torpor policy set`` with or
+without an agent): the policy is written to the records, where the agent reads it at each round.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+from torpor.adapters import system
+from torpor.core.records import Job, JobState, Records
+from torpor.errors import UsageError
+from torpor.policy.jobpolicy import JobPolicy
+
+
+def set_policy(records: Records, name: str, changes: dict[str, Any]) -> JobPolicy:
+    """Merge ``changes`` (fields of :class:`JobPolicy`, ``None`` unsets one) into ``name``'s policy."""
+    job = records.job(name)
+    current = records.care(job.name).policy
+    try:
+        merged = JobPolicy.from_dict({**current.to_dict(), **changes})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"bad policy for '{name}': {exc}") from None
+    problems = merged.problems()
+    if problems:
+        raise UsageError(f"cannot set that policy on '{name}': " + "; ".join(problems))
+    for port in set(merged.wake_on) - set(current.wake_on):
+        check_wake_port(job, port)
+    records.set_policy(job.name, merged)
+    return merged
+
+
+def check_wake_port(job: Job, port: int) -> None:
+    """Refuse ``--wake-on PORT`` when another program listens on it: the agent could not hold it."""
+    if job.pid and job.state == JobState.RUNNING:
+        ours = {p for _, p in system.listening_sockets(system.namespace_members(job.pid))}
+        if port in ours:
+            return
+    check_free_port(port, f"while '{job.name}' sleeps")
+
+
+def check_free_port(port: int, when: str = "while the job sleeps") -> None:
+    """Refuse a port another program listens on (probed by binding it, as the agent will)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("0.0.0.0", port))
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+            raise
+        raise UsageError(
+            f"--wake-on {port}: another program listens on port {port}; the agent could not hold it {when}"
+        ) from None
+    finally:
+        probe.close()

@@ -1,0 +1,272 @@
+"""A typed client of the agent's API, and the engine the CLI uses when an agent runs.
+
+``AgentClient`` speaks to the unix socket of a state directory (or a TCP address with a token) and
+returns torpor's own types (:class:`~torpor.core.records.Job`, :class:`~torpor.core.records.Checkpoint`,
+:class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as a :class:`AgentError` with the
+message and exit code the CLI would have had embedded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from torpor.apps.agent import wire
+from torpor.core.context import Progress, quiet
+from torpor.core.engine import Engine, JobStatus
+from torpor.core.records import Checkpoint, CheckpointId, Event, Job
+from torpor.core.store import StoredImage
+from torpor.errors import TorporError
+from torpor.policy.jobpolicy import JobPolicy
+
+
+class AgentError(TorporError):
+    """An error the agent answered with (its message, details and exit code)."""
+
+    def __init__(self, message: str, details: list[str] | None = None, exit_code: int = 1) -> None:
+        super().__init__(message, details=details or [])
+        self.exit_code = exit_code
+
+
+class AgentClient:
+    """The agent of one state directory, over its unix socket (``uds``) or TCP (``url`` and ``token``)."""
+
+    def __init__(
+        self,
+        uds: Path | None = None,
+        url: str = "http://agent",
+        token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(
+            transport=transport, base_url=url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0)
+        )
+
+    @classmethod
+    def if_running(cls, uds: Path) -> AgentClient | None:
+        """A client of the agent listening on ``uds``, or None when no agent answers there."""
+        if not uds.exists():
+            return None
+        client = cls(uds)
+        try:
+            client.http.get("/v1/health", timeout=5.0).raise_for_status()
+        except (httpx.TransportError, httpx.HTTPStatusError):
+            client.close()
+            return None
+        return client
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- calls -----------------------------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            reply = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise AgentError(f"the agent did not answer ({exc})", exit_code=7) from None
+        if reply.is_success:
+            return reply.json()
+        raise _error(reply.status_code, _body(reply))
+
+    def _streamed(self, path: str, body: dict[str, Any], progress: Progress, warn: Progress) -> Any:
+        """POST ``body``; show the progress and warnings the agent streams; return its result."""
+        try:
+            with self.http.stream(
+                "POST", path, json=body, headers={"Accept": "application/x-ndjson"}
+            ) as reply:
+                if not reply.is_success:
+                    reply.read()
+                    raise _error(reply.status_code, _body(reply))
+                for line in reply.iter_lines():
+                    if not line.strip():
+                        continue
+                    item = json.loads(line)
+                    if "progress" in item:
+                        progress(item["progress"])
+                    elif "warning" in item:
+                        warn(item["warning"])
+                    elif "result" in item:
+                        return item["result"]
+                    elif "error" in item:
+                        raise _error(item.get("status", 500), item["error"])
+        except httpx.TransportError as exc:
+            raise AgentError(f"the agent stopped answering ({exc})", exit_code=7) from None
+        raise AgentError("the agent ended its answer without a result", exit_code=7)
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._json("GET", "/v1/health"))
+
+    def jobs(self) -> list[JobStatus]:
+        return [wire.status_from_dict(d) for d in self._json("GET", "/v1/jobs")]
+
+    def jobs_raw(self) -> list[dict[str, Any]]:
+        """Every job as the API sends it (the status, its policy and why the agent hibernated it)."""
+        return list(self._json("GET", "/v1/jobs"))
+
+    def job(self, name: str) -> JobStatus:
+        return wire.status_from_dict(self._json("GET", f"/v1/jobs/{_quoted(name)}"))
+
+    def run(
+        self, command: list[str], name: str | None = None, cwd: str = "/", policy: JobPolicy | None = None
+    ) -> Job:
+        body = {"command": command, "name": name, "cwd": cwd, "policy": policy.to_dict() if policy else {}}
+        return wire.job_from_dict(self._json("POST", "/v1/jobs", json=body))
+
+    def checkpoint(
+        self,
+        name: str,
+        hibernate: bool = False,
+        ext_unix_sk: bool = False,
+        wait: bool = False,
+        progress: Progress = quiet,
+        warn: Progress = quiet,
+    ) -> dict[str, Any]:
+        body = {"hibernate": hibernate, "ext_unix_sk": ext_unix_sk, "wait": wait}
+        return dict(self._streamed(f"/v1/jobs/{_quoted(name)}/checkpoint", body, progress, warn))
+
+    def restore(
+        self,
+        name: str,
+        checkpoint: str | None = None,
+        force: bool = False,
+        lazy: bool = False,
+        rewind: bool = False,
+        progress: Progress = quiet,
+        warn: Progress = quiet,
+    ) -> tuple[Job, Checkpoint, float]:
+        body = {"checkpoint": checkpoint, "force": force, "lazy": lazy, "rewind": rewind}
+        result = self._streamed(f"/v1/jobs/{_quoted(name)}/restore", body, progress, warn)
+        return (
+            wire.job_from_dict(result["job"]),
+            wire.checkpoint_from_dict(result["checkpoint"]),
+            float(result["restore_s"]),
+        )
+
+    def stop(self, name: str, timeout_s: float | None = None) -> JobStatus:
+        return wire.status_from_dict(
+            self._json("POST", f"/v1/jobs/{_quoted(name)}/stop", json={"timeout_s": timeout_s})
+        )
+
+    def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
+        result = self._json("DELETE", f"/v1/jobs/{_quoted(name)}", params={"force": force})
+        return [CheckpointId(c) for c in result["removed_checkpoints"]]
+
+    def policy(self, name: str) -> JobPolicy:
+        return JobPolicy.from_dict(self._json("GET", f"/v1/jobs/{_quoted(name)}/policy"))
+
+    def set_policy(self, name: str, changes: dict[str, Any]) -> JobPolicy:
+        return JobPolicy.from_dict(self._json("PUT", f"/v1/jobs/{_quoted(name)}/policy", json=changes))
+
+    def events(self, after: int = 0, job: str | None = None, limit: int | None = None) -> list[Event]:
+        params: dict[str, Any] = {"after": after}
+        if job:
+            params["job"] = job
+        if limit:
+            params["limit"] = limit
+        return [wire.event_from_dict(e) for e in self._json("GET", "/v1/events", params=params)]
+
+    def drain(self, why: str, deadline_s: float | None = None, progress: Progress = quiet) -> dict[str, Any]:
+        return dict(self._streamed("/v1/drain", {"why": why, "deadline_s": deadline_s}, progress, quiet))
+
+    def undrain(self) -> list[str]:
+        return list(self._json("DELETE", "/v1/drain")["resumed"])
+
+
+class RemoteEngine:
+    """The engine the CLI drives when an agent runs: its operations go to the agent, the rest stays local.
+
+    It offers the :class:`~torpor.core.engine.Engine` methods the CLI's commands call, with the same
+    arguments and results, so a command reads the same whichever runs it. What only reads the state
+    directory (logs, checkpoints, the store) is the local engine's.
+    """
+
+    def __init__(self, client: AgentClient, local: Engine) -> None:
+        self.client = client
+        self.local = local
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+    def status(self, name: str) -> JobStatus:
+        return self.client.job(name)
+
+    def statuses(self) -> list[JobStatus]:
+        return self.client.jobs()
+
+    def checkpoint(
+        self,
+        name: str,
+        hibernate: bool = False,
+        progress: Progress = quiet,
+        warn: Progress = quiet,
+        ext_unix_sk: bool = False,
+    ) -> Checkpoint:
+        result = self.client.checkpoint(name, hibernate, ext_unix_sk, progress=progress, warn=warn)
+        return wire.checkpoint_from_dict(result)
+
+    def wait_durable(self, checkpoint_id: CheckpointId, progress: Progress = quiet) -> StoredImage:
+        return self.local.wait_durable(checkpoint_id, progress)
+
+    def restore(
+        self,
+        name: str,
+        ref: str | None = None,
+        force: bool = False,
+        progress: Progress = quiet,
+        lazy: bool = False,
+        rewind: bool = False,
+        warn: Progress = quiet,
+    ) -> tuple[Job, Checkpoint, float]:
+        # a lazy restore returns at once; the CLI then waits for the rest itself (wait_lazy, local)
+        return self.client.restore(name, ref, force, lazy=lazy, rewind=rewind, progress=progress, warn=warn)
+
+    def stop(self, name: str, grace_s: float | None = None) -> Job:
+        return self.client.stop(name, grace_s).job
+
+    def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
+        return self.client.remove(name, force)
+
+
+def _quoted(name: str) -> str:
+    return httpx.URL(path=name).raw_path.decode()
+
+
+def _body(reply: httpx.Response) -> dict[str, Any]:
+    try:
+        data = reply.json()
+    except ValueError:
+        return {"error": reply.text.strip() or f"HTTP {reply.status_code}"}
+    if isinstance(data, dict) and "error" in data:
+        return data
+    if isinstance(data, dict) and "detail" in data:  # FastAPI's own (a request that fails validation)
+        return {"error": _validation_text(data["detail"]), "exit_code": 2}
+    return {"error": str(data)}
+
+
+def _validation_text(detail: Any) -> str:
+    if isinstance(detail, list):
+        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" for d in detail)
+    return str(detail)
+
+
+def _error(status: int, body: dict[str, Any]) -> AgentError:
+    code = body.get("exit_code") or (2 if 400 <= status < 500 else 1)
+    return AgentError(str(body.get("error")), [str(d) for d in body.get("details", [])], int(code))
+
+
+@contextmanager
+def connected(uds: Path) -> Iterator[AgentClient | None]:
+    client = AgentClient.if_running(uds)
+    try:
+        yield client
+    finally:
+        if client is not None:
+            client.close()

@@ -1,0 +1,372 @@
+"""The CLI's agent commands: ``torpor agent``, ``policy``, ``events``, ``drain``, and ``run``'s policy flags.
+
+Each works whether an agent runs or not: through the agent when one answers on the state directory's
+socket, embedded otherwise (a policy is written to the records, where the next agent finds it; a drain
+is carried out by this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torpor.apps.agent import care
+from torpor.apps.agent.client import AgentClient, connected
+from torpor.apps.agent.serve import Listen, serve, socket_path
+from torpor.apps.agent.service import BY_DRAIN, Agent, AgentOptions
+from torpor.apps.agent.wire import event_to_dict
+from torpor.apps.render import emit_json, human_bytes, progress, table
+from torpor.core.records import Event, Records
+from torpor.errors import UsageError
+from torpor.policy.jobpolicy import JobPolicy, format_duration, parse_duration
+from torpor.settings import Settings
+
+AddParser = Callable[..., argparse.ArgumentParser]
+
+
+def duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def optional_duration(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else duration(text)
+
+
+def share(text: str) -> float:
+    value = text.strip().rstrip("%")
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a share: write e.g. 2% or 0.02") from None
+    return number / 100 if text.strip().endswith("%") or number >= 1 else number
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"'{text}' is not HOST:PORT (e.g. 127.0.0.1:7788)")
+    return host.strip("[]"), int(port)
+
+
+def add_policy_flags(p: argparse.ArgumentParser, for_run: bool) -> None:
+    """The policy's flags; a flag not given is absent from the namespace (so it changes nothing)."""
+    off = "" if for_run else " ('off' removes it)"
+    kind = duration if for_run else optional_duration
+    flags = p.add_argument_group("what the agent does for the job by itself (docs/agent.md)")
+    flags.add_argument(
+        "--checkpoint-every",
+        type=kind,
+        metavar="DURATION",
+        help=f"checkpoint the job this often, e.g. 10m{off}",
+        default=argparse.SUPPRESS,
+    )
+    flags.add_argument(
+        "--budget",
+        type=share,
+        metavar="SHARE",
+        help="the share of its time checkpoints may freeze it (default 2%%)",
+        default=argparse.SUPPRESS,
+    )
+    flags.add_argument(
+        "--keep",
+        type=int,
+        metavar="N",
+        help="keep its newest N checkpoints (default: the store's keep_last)",
+        default=argparse.SUPPRESS,
+    )
+    flags.add_argument(
+        "--idle-after",
+        type=kind,
+        metavar="DURATION",
+        help=f"hibernate it once it used no CPU this long{off}",
+        default=argparse.SUPPRESS,
+    )
+    flags.add_argument(
+        "--wake-on",
+        type=int,
+        action="append",
+        metavar="PORT",
+        help="while it sleeps, a connection to this TCP port resumes it (repeatable)",
+        default=argparse.SUPPRESS,
+    )
+    if not for_run:
+        flags.add_argument(
+            "--no-wake-on",
+            action="store_true",
+            help="listen on no port for it any more",
+            default=argparse.SUPPRESS,
+        )
+    flags.add_argument(
+        "--priority",
+        type=int,
+        help="higher is saved first when the node is evacuated (default 0)",
+        default=argparse.SUPPRESS,
+    )
+
+
+_FIELDS = {
+    "checkpoint_every": "checkpoint_every_s",
+    "idle_after": "idle_after_s",
+    "budget": "budget",
+    "keep": "keep",
+    "priority": "priority",
+    "wake_on": "wake_on",
+}
+
+
+def policy_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy fields the flags set (a field the user did not name is not in it; 'off' is None)."""
+    changes = {field: getattr(args, flag) for flag, field in _FIELDS.items() if hasattr(args, flag)}
+    if getattr(args, "no_wake_on", False):
+        changes["wake_on"] = []
+    return changes
+
+
+def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
+    """The policy ``torpor run``'s flags ask for, checked before the job starts; None when none."""
+    changes = policy_changes(args)
+    if not changes:
+        return None
+    policy = JobPolicy.from_dict({**JobPolicy().to_dict(), **changes})
+    problems = policy.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    for port in policy.wake_on:
+        care.check_free_port(port)
+    return policy
+
+
+# -- commands ---------------------------------------------------------------------------------------------
+
+
+def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s torpor-agent %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    options = AgentOptions(
+        round_s=args.round,
+        parallel=args.parallel,
+        stop_deadline_s=args.stop_deadline,
+        on_sigterm=args.on_sigterm,
+    )
+    listen = None
+    if args.listen:
+        if not args.token_file:
+            raise UsageError(
+                "--listen needs --token-file: the API on TCP takes only requests with that token"
+            )
+        listen = Listen(args.listen[0], args.listen[1], args.token_file)
+    return serve(settings, options, listen)
+
+
+def cmd_policy(settings: Settings, args: argparse.Namespace) -> int:
+    records = Records(settings.db_path)
+    with connected(socket_path(settings)) as client:
+        if args.action == "set":
+            changes = policy_changes(args)
+            if not changes:
+                raise UsageError("say what to set: e.g. torpor policy set NAME --checkpoint-every 10m")
+            policy = (
+                client.set_policy(args.name, changes)
+                if client
+                else care.set_policy(records, args.name, changes)
+            )
+        else:
+            policy = client.policy(args.name) if client else records.care(records.job(args.name).name).policy
+    if args.json:
+        emit_json(policy.to_dict())
+        return 0
+    print(f"{args.name}: {policy.describe()}")
+    if args.action == "set" and client is None:
+        print("  (no agent runs for this state directory: 'torpor agent' applies it)", file=sys.stderr)
+    return 0
+
+
+def _event_line(event: Event) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
+    detail = event.detail
+    costs = []
+    if "freeze_s" in detail:
+        costs.append(f"froze {float(str(detail['freeze_s'])):.3f} s")
+    if "size_bytes" in detail:
+        costs.append(f"image {human_bytes(int(str(detail['size_bytes'])))}")
+    if "freed_bytes" in detail:
+        costs.append(f"freed {human_bytes(int(str(detail['freed_bytes'])))}")
+    if "restore_s" in detail:
+        costs.append(f"restored in {float(str(detail['restore_s'])):.2f} s")
+    if "overhead" in detail:
+        costs.append(f"overhead {float(str(detail['overhead'])):.2%}")
+    if "error" in detail:
+        costs.append(f"FAILED: {detail['error']}")
+    tail = f" ({', '.join(costs)})" if costs else ""
+    return f"{when}  {event.job or '-':<16} {event.action:<11} {event.reason}{tail}"
+
+
+def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
+    records = Records(settings.db_path)
+    if args.job:
+        records.job(args.job)  # an unknown job is an error, not an empty list
+    shown = records.events(0, args.job, args.tail)
+    if args.json and not args.follow:
+        emit_json([event_to_dict(e) for e in shown])
+        return 0
+    last = 0
+    while True:
+        for event in shown:
+            print(_json_line(event) if args.json else _event_line(event), flush=True)
+            last = event.id
+        if not args.follow:
+            return 0
+        time.sleep(0.5)
+        shown = records.events(last, args.job)
+
+
+def _json_line(event: Event) -> str:
+    import json
+
+    return json.dumps(event_to_dict(event), default=str)
+
+
+def cmd_drain(settings: Settings, args: argparse.Namespace) -> int:
+    show = progress(args)
+    with connected(socket_path(settings)) as client:
+        if args.cancel:
+            resumed = client.undrain() if client else _embedded(settings, lambda agent: agent.undrain())
+            if args.json:
+                emit_json({"resumed": resumed})
+            else:
+                print("the node takes jobs again" + (f"; resuming {', '.join(resumed)}" if resumed else ""))
+            return 0
+        if client is not None:
+            report = client.drain(args.why, args.deadline, progress=show)
+        else:
+            show("no agent runs: evacuating from here")
+            report = _embedded(
+                settings, lambda agent: agent.evacuate(args.why, BY_DRAIN, args.deadline).to_dict()
+            )
+    if args.json:
+        emit_json(report)
+    else:
+        print_report(report)
+    return 0 if not report["failed"] and not report["pending"] else 4
+
+
+def _embedded(settings: Settings, work: Callable[[Agent], Any]) -> Any:
+    agent = Agent(settings)
+    try:
+        return work(agent)
+    finally:
+        agent.close()
+
+
+def print_report(report: dict[str, Any]) -> None:
+    took = (report["finished_at"] or time.time()) - report["started_at"]
+    print(
+        f"evacuation ({report['by']}: {report['why']}) in {took:.1f} s; the node takes no new job ('torpor drain --cancel' ends that)"
+    )
+    rows = []
+    for name in report["order"]:
+        if name in report["saved"]:
+            saved = report["saved"][name]
+            rows.append([name, "durable", saved["checkpoint"], f"{saved['durable_s']:.1f} s"])
+        elif name in report["failed"]:
+            rows.append([name, "FAILED", report["failed"][name], "-"])
+        else:
+            rows.append([name, "not durable by the deadline", "-", "-"])
+    print(table(["JOB", "SAVED", "CHECKPOINT", "DURABLE AFTER"], rows) if rows else "no job to save")
+
+
+# -- parsers ----------------------------------------------------------------------------------------------
+
+
+def add_parsers(sub: Any, add: AddParser) -> None:
+    p = add(
+        "agent",
+        "run the node agent in the foreground (docs/agent.md); logs on stderr",
+        job=False,
+        json_flag=False,
+    )
+    p.add_argument(
+        "--listen", type=address, metavar="HOST:PORT", help="serve the API on TCP too (needs --token-file)"
+    )
+    p.add_argument(
+        "--token-file",
+        type=_path,
+        metavar="FILE",
+        help="the bearer token TCP requests must bring (a 0600 file)",
+    )
+    p.add_argument(
+        "--round", type=duration, default=1.0, metavar="DURATION", help="time between two rounds (default 1s)"
+    )
+    p.add_argument(
+        "--parallel", type=int, default=4, metavar="N", help="jobs an evacuation saves at once (default 4)"
+    )
+    p.add_argument(
+        "--stop-deadline",
+        type=duration,
+        default=90.0,
+        metavar="DURATION",
+        help="how long the evacuation at SIGTERM may take (default 90s)",
+    )
+    p.add_argument(
+        "--on-sigterm",
+        choices=("hibernate", "leave"),
+        default="hibernate",
+        help="hibernate every job at SIGTERM and resume them at the next start (default), or leave them running",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    p.set_defaults(func=cmd_agent, needs_settings=True)
+
+    p = sub.add_parser(
+        "policy",
+        help="show or set what the agent does for a job by itself",
+        description="show or set what the agent does for a job by itself",
+    )
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (
+        ("show", "show a job's policy"),
+        ("set", "change a job's policy; an impossible one is refused"),
+    ):
+        q = actions.add_parser(action, help=text, description=text)
+        q.add_argument("name", help="job name")
+        q.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        q.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+        if action == "set":
+            add_policy_flags(q, for_run=False)
+    p.set_defaults(func=cmd_policy, needs_settings=True)
+
+    p = add("events", "what torpor did by itself, with why and at what cost", job=False)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    p.add_argument("--job", help="only this job's")
+    p.add_argument("-n", "--tail", type=int, metavar="N", help="only the last N")
+    p.set_defaults(func=cmd_events, needs_settings=True)
+
+    p = add(
+        "drain",
+        "evacuate the node: hibernate every job into the durable tier, most valuable first",
+        job=False,
+    )
+    p.add_argument("--deadline", type=duration, metavar="DURATION", help="report by then (default 10m)")
+    p.add_argument("--why", default="torpor drain", help="the reason, shown in the events")
+    p.add_argument(
+        "--cancel", action="store_true", help="take new jobs again and resume what the drain hibernated"
+    )
+    p.set_defaults(func=cmd_drain, needs_settings=True)
+
+
+def _path(text: str) -> Any:
+    from pathlib import Path
+
+    return Path(text)
+
+
+__all__ = ["AgentClient", "add_parsers", "add_policy_flags", "format_duration", "policy_for_run"]

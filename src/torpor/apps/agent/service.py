@@ -1,0 +1,426 @@
+"""The agent's work: rounds that apply each job's policy, evacuations, and what it found when it started.
+
+Everything it knows is in the records (jobs, checkpoints, policies, why it hibernated a job, the events,
+whether the node is draining), so an agent killed with -9 and started again loses nothing: it reads them
+and goes on. The jobs themselves never depend on it: each runs under its own launcher, which finishes a
+checkpoint it was asked for even if the agent that asked is gone (a job is never left frozen).
+
+The decisions are :mod:`torpor.policy`'s (:mod:`~torpor.policy.periodic`, :mod:`~torpor.policy.idle`,
+:mod:`~torpor.policy.evacuation`); this module samples what they need and carries out what they say.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torpor.adapters import system
+from torpor.core.engine import Engine
+from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
+from torpor.errors import EnvironmentProblem, TorporError, UsageError
+from torpor.policy import idle, periodic
+from torpor.policy.jobpolicy import JobPolicy, format_duration
+from torpor.settings import Settings
+
+log = logging.getLogger("torpor.agent")
+
+#: who set the node draining, in the ``draining`` node flag: a person (``torpor drain``), a notice of the
+#: cloud provider, or the agent's own shutdown (SIGTERM)
+BY_DRAIN, BY_NOTICE, BY_SHUTDOWN = "drain", "notice", "shutdown"
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """How the agent runs (``torpor agent --help`` gives each its flag)."""
+
+    #: seconds between two rounds (sampling CPU, deciding checkpoints and idle hibernations)
+    round_s: float = 1.0
+    #: how many jobs an evacuation checkpoints at once
+    parallel: int = 4
+    #: seconds an evacuation at the agent's own SIGTERM may take (systemd's TimeoutStopSec must be longer)
+    stop_deadline_s: float = 90.0
+    #: seconds a ``torpor drain`` evacuation may take
+    drain_deadline_s: float = 600.0
+    #: what SIGTERM does: ``hibernate`` every job (resumed at the next start) or ``leave`` them running
+    on_sigterm: str = "hibernate"
+
+
+@dataclass
+class EvacuationReport:
+    """What an evacuation saved, what it could not in time, and what failed (with why)."""
+
+    why: str
+    by: str
+    started_at: float
+    deadline_at: float
+    order: list[str] = field(default_factory=list)
+    saved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    pending: list[str] = field(default_factory=list)
+    finished_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "why": self.why,
+            "by": self.by,
+            "started_at": self.started_at,
+            "deadline_at": self.deadline_at,
+            "finished_at": self.finished_at,
+            "order": self.order,
+            "saved": self.saved,
+            "failed": self.failed,
+            "pending": self.pending,
+        }
+
+
+class Agent:
+    """One node's agent, on one state directory (a second one on the same directory is refused)."""
+
+    def __init__(self, settings: Settings, options: AgentOptions = AgentOptions()) -> None:
+        self.settings = settings
+        self.options = options
+        self.engine = Engine(settings)
+        self.records = self.engine.records
+        self._lock_fd = take_lock(settings.home / "agent.lock")
+        self.started_at = time.time()
+        self.stopping = threading.Event()
+        self._guard = threading.Lock()
+        self._busy: dict[JobName, str] = {}
+        self._samples: dict[tuple[JobName, int | None], list[idle.Sample]] = {}
+        self._actions = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torpor-agent-action")
+        self._evacuating = threading.Lock()
+        self.last_evacuation: EvacuationReport | None = None
+        #: jobs with a wake-on-connect listener (the holder's own type is the wake adapter's)
+        self.wake_hooks: dict[JobName, Any] = {}
+        #: called each round with the jobs as read (the wake-on-connect keeper hooks in here)
+        self.round_hooks: list[Callable[[list[Job], dict[JobName, Care]], None]] = []
+
+    # -- starting and stopping -------------------------------------------------------------------------
+
+    def adopt(self) -> None:
+        """Take over what already runs or waits: say so, resume what the last shutdown hibernated."""
+        jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
+        counts: dict[str, int] = {}
+        for job in jobs:
+            counts[str(job.state)] = counts.get(str(job.state), 0) + 1
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
+        self.event(None, "adopt", f"agent started (pid {os.getpid()}): {summary}")
+        draining = self.draining()
+        if draining and (
+            draining["by"] == BY_SHUTDOWN
+            or (draining["by"] == BY_NOTICE and draining.get("boot") != boot_id())
+        ):
+            # the node went down as announced and is back: it takes jobs again and gets its own back
+            self.records.set_node_flag("draining", None)
+            self.event(None, "undrain", f"the {draining['by']} is over: {draining['why']}")
+        cares = self.records.cares()
+        for job in jobs:
+            care = cares.get(job.name)
+            if job.state != JobState.HIBERNATED or care is None:
+                continue
+            if care.hibernated_by == BY_SHUTDOWN or (care.hibernated_by == BY_NOTICE and not self.draining()):
+                self.submit(job.name, "resume", f"hibernated at the {care.hibernated_by}: back", self._resume)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._actions.shutdown(wait=True, cancel_futures=True)
+        os.close(self._lock_fd)
+
+    # -- the round -------------------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        """Rounds until :attr:`stopping`; an error in one is logged and the next round goes on."""
+        while not self.stopping.wait(self.options.round_s):
+            try:
+                self.round(time.time())
+            except Exception:
+                log.exception("a round of the agent failed; the next one goes on")
+
+    def round(self, now: float) -> None:
+        jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
+        cares = self.records.cares()
+        seen = set()
+        for job in jobs:
+            care = cares.get(job.name)
+            if job.state != JobState.RUNNING or care is None or job.pid is None:
+                continue
+            seen.add((job.name, job.pid))
+            if self.is_busy(job.name):
+                continue
+            self._care_for_running(job, care.policy, now)
+        for key in set(self._samples) - seen:
+            del self._samples[key]  # ended, hibernated or restored: a restored job starts watching anew
+        for hook in self.round_hooks:
+            hook(jobs, cares)
+        draining = self.draining()
+        if draining and not self._evacuating.locked() and any(j.state == JobState.RUNNING for j in jobs):
+            # an agent killed mid-evacuation, or a job that became running since: the node is draining
+            threading.Thread(
+                target=self.evacuate, args=(draining["why"], draining["by"]), daemon=True
+            ).start()
+
+    def _care_for_running(self, job: Job, policy: JobPolicy, now: float) -> None:
+        assert job.pid is not None
+        if policy.idle_after_s is not None:
+            pids = system.namespace_members(job.pid)
+            samples = self._samples.setdefault((job.name, job.pid), [])
+            samples.append(idle.Sample(now, system.cpu_seconds(pids)))
+            samples[:] = idle.trim(samples, policy.idle_after_s, now)
+            if idle.is_idle(samples, policy.idle_after_s, now):
+                reason = f"idle: no CPU used for {format_duration(policy.idle_after_s)}"
+                self.submit(job.name, "hibernate", reason, self._hibernate_idle)
+                return
+        if policy.checkpoint_every_s is not None:
+            freezes = [c.freeze_s for c in self.records.checkpoints(job.name)]
+            latest = self.records.latest_checkpoint(job.name)
+            running_since = job.started_at or job.created_at
+            due = periodic.next_due(
+                policy.checkpoint_every_s,
+                policy.budget,
+                freezes,
+                latest.created_at if latest else None,
+                running_since,
+            )
+            if now >= due:
+                interval = periodic.interval(policy.checkpoint_every_s, policy.budget, freezes)
+                stretched = (
+                    f" (stretched to {format_duration(round(interval))} for the {policy.budget:.0%} budget)"
+                    if interval > policy.checkpoint_every_s
+                    else ""
+                )
+                reason = f"every {format_duration(policy.checkpoint_every_s)}{stretched}"
+                self.submit(job.name, "checkpoint", reason, self._checkpoint)
+
+    # -- actions ---------------------------------------------------------------------------------------
+
+    def is_busy(self, name: JobName) -> bool:
+        with self._guard:
+            return name in self._busy
+
+    def submit(
+        self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
+    ) -> Future[None] | None:
+        """Run ``work(name)`` in the background unless the agent already works on ``name``; record it."""
+        with self._guard:
+            if name in self._busy or self.stopping.is_set():
+                return None
+            self._busy[name] = action
+        return self._actions.submit(self._act, name, action, reason, work)
+
+    def _act(
+        self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
+    ) -> None:
+        try:
+            detail = work(name)
+            self.event(name, action, reason, **detail)
+        except TorporError as exc:
+            self.event(name, action, reason, error=exc.message)
+        except Exception as exc:  # an agent that stops acting on one error would be worse
+            log.exception("%s of %s failed", action, name)
+            self.event(name, action, reason, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._guard:
+                self._busy.pop(name, None)
+
+    def _checkpoint(self, name: JobName) -> dict[str, Any]:
+        checkpoint = self.engine.checkpoint(name, warn=lambda text: log.warning("%s: %s", name, text))
+        job = self.records.job(name)
+        running_s = time.time() - (job.started_at or job.created_at)
+        freezes = [
+            c.freeze_s for c in self.records.checkpoints(name) if c.created_at >= (job.started_at or 0)
+        ]
+        return {**_costs(checkpoint), "overhead": periodic.overhead(freezes, running_s)}
+
+    def hibernate(self, name: JobName, by: str, listened: tuple[tuple[str, int], ...] = ()) -> Checkpoint:
+        """Hibernate ``name`` and note why (``by``), so that the agent knows what to bring back when."""
+        checkpoint = self.engine.checkpoint(
+            name, hibernate=True, warn=lambda text: log.warning("%s: %s", name, text)
+        )
+        self.records.mark_hibernated(name, by, listened)
+        return checkpoint
+
+    def _hibernate_idle(self, name: JobName) -> dict[str, Any]:
+        job = self.records.job(name)
+        policy = self.records.care(name).policy
+        pids = system.namespace_members(job.pid) if job.pid else []
+        freed = system.resident_bytes(pids)
+        listened = wake_addresses(pids, policy.wake_on)
+        checkpoint = self.hibernate(name, "idle", listened)
+        return {**_costs(checkpoint), "freed_bytes": freed}
+
+    def _resume(self, name: JobName) -> dict[str, Any]:
+        job, checkpoint, seconds = self.engine.restore(name, warn=lambda t: log.warning("%s: %s", name, t))
+        self.records.mark_hibernated(name, None)
+        return {"checkpoint": checkpoint.id, "restore_s": seconds, "pid": job.pid}
+
+    # -- evacuation --------------------------------------------------------------------------------------
+
+    def draining(self) -> dict[str, Any] | None:
+        """Why the node takes no new job (``why``, ``by``, ``at``, ``boot``), or None."""
+        value = self.records.node_flag("draining")
+        return None if value is None else dict(json.loads(value))
+
+    def evacuate(self, why: str, by: str, deadline_s: float | None = None) -> EvacuationReport:
+        """Hibernate every running job into the durable tier, most valuable first; refuse new jobs.
+
+        Runs ``parallel`` checkpoints at once and returns by the deadline with what was saved by then;
+        the checkpoints still under way go on (their launchers finish them) and the next round sees them.
+        One that fails does not stop the others. Only one evacuation runs at a time: a second call waits
+        for it and then saves what is left.
+        """
+        if deadline_s is None:
+            deadline_s = self.options.stop_deadline_s if by == BY_SHUTDOWN else self.options.drain_deadline_s
+        with self._evacuating:
+            started = time.time()
+            if self.draining() is None:
+                flag = {"why": why, "by": by, "at": started, "boot": boot_id()}
+                self.records.set_node_flag("draining", json.dumps(flag))
+            report = EvacuationReport(why, by, started, started + deadline_s)
+            self.last_evacuation = report
+            self.event(None, "evacuate", f"{by}: {why}", deadline_s=deadline_s)
+            self._wait_idle_actions(started + min(deadline_s, 30.0))
+            jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
+            cares = self.records.cares()
+            latest = {job.name: self.records.latest_checkpoint(job.name) for job in jobs}
+            plan = _evacuation_order(
+                [job for job in jobs if job.state in (JobState.RUNNING, JobState.HIBERNATED)],
+                {name: care.policy.priority for name, care in cares.items()},
+                {name: c.created_at for name, c in latest.items() if c is not None},
+            )
+            report.order = list(plan)
+            # not a with-block: that would wait for every checkpoint, and the report is due by the deadline
+            pool = ThreadPoolExecutor(max(1, self.options.parallel), "torpor-evacuate")
+            futures = {pool.submit(self._evacuate_one, JobName(name), by): name for name in plan}
+            pool.shutdown(wait=False)  # what is under way at the deadline goes on; the next round sees it
+            done, not_done = wait_futures(futures, timeout=max(0.0, report.deadline_at - time.time()))
+            for future in done:
+                name = futures[future]
+                try:
+                    report.saved[name] = future.result()
+                except TorporError as exc:
+                    report.failed[name] = exc.message
+                except Exception as exc:
+                    log.exception("evacuating %s failed", name)
+                    report.failed[name] = f"{type(exc).__name__}: {exc}"
+            report.pending = sorted(futures[f] for f in not_done)
+            report.finished_at = time.time()
+            summary = (
+                f"{len(report.saved)} saved, {len(report.failed)} failed, "
+                f"{len(report.pending)} not durable by the deadline"
+            )
+            self.event(None, "evacuated", f"{by}: {why}: {summary}", **report.to_dict())
+            return report
+
+    def _wait_idle_actions(self, until: float) -> None:
+        """Let the agent's own checkpoint under way end first (a job cannot be hibernated meanwhile)."""
+        while time.time() < until:
+            with self._guard:
+                if not self._busy:
+                    return
+            time.sleep(0.05)
+
+    def _evacuate_one(self, name: JobName, by: str) -> dict[str, Any]:
+        started = time.monotonic()
+        job = self.records.job(name)
+        if job.state == JobState.RUNNING:
+            checkpoint = self.hibernate(name, by)
+            self.event(name, "hibernate", f"evacuation ({by})", **_costs(checkpoint))
+        else:  # hibernated already: only its image may still be on its way to the durable tier
+            latest = self.records.latest_checkpoint(name)
+            if latest is None:
+                raise UsageError(f"job '{name}' is {job.state} and has no checkpoint")
+            checkpoint = latest
+        image = self.engine.wait_durable(checkpoint.id)
+        return {
+            "checkpoint": checkpoint.id,
+            "durable_s": time.monotonic() - started,
+            "stored_bytes": image.stored_bytes,
+            "freeze_s": checkpoint.freeze_s,
+        }
+
+    def undrain(self) -> list[JobName]:
+        """Take new jobs again, and resume the jobs an evacuation hibernated; their names."""
+        draining = self.draining()
+        if draining is None:
+            raise UsageError("this node is not draining")
+        self.records.set_node_flag("draining", None)
+        self.event(None, "undrain", f"drain cancelled ({draining['by']}: {draining['why']})")
+        resumed = []
+        for name, care in self.records.cares().items():
+            if care.hibernated_by in (BY_DRAIN, BY_NOTICE, BY_SHUTDOWN) and (
+                self.records.job(name).state == JobState.HIBERNATED
+            ):
+                self.submit(name, "resume", "the node takes jobs again", self._resume)
+                resumed.append(name)
+        return resumed
+
+    # -- events ------------------------------------------------------------------------------------------
+
+    def event(self, job: str | None, action: str, reason: str, **detail: object) -> None:
+        self.records.add_event(job, action, reason, **detail)
+        cost = ", ".join(f"{k}={_short(v)}" for k, v in detail.items() if k in _SHOWN)
+        log.info("%s%s: %s%s", f"{job}: " if job else "", action, reason, f" ({cost})" if cost else "")
+
+
+_SHOWN = ("freeze_s", "size_bytes", "total_s", "freed_bytes", "restore_s", "overhead", "error", "deadline_s")
+
+
+def _short(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _costs(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        "checkpoint": checkpoint.id,
+        "freeze_s": checkpoint.freeze_s,
+        "total_s": checkpoint.total_s,
+        "size_bytes": checkpoint.size_bytes,
+    }
+
+
+def _evacuation_order(jobs: list[Job], priority: dict[JobName, int], last: dict[JobName, float]) -> list[str]:
+    return [job.name for job in sorted(jobs, key=lambda j: (-priority.get(j.name, 0), last.get(j.name, 0.0)))]
+
+
+def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+    """The addresses the job listens on among ``ports``: the agent holds exactly those while it sleeps."""
+    if not ports:
+        return ()
+    found = [(host, port) for host, port in system.listening_sockets(pids) if port in ports]
+    missing = [port for port in ports if port not in {p for _, p in found}]
+    # a port the job did not listen on at that moment is held on loopback only: never wider than the job
+    return (*found, *(("127.0.0.1", port) for port in missing))
+
+
+def take_lock(path: Path) -> int:
+    """Hold ``path`` locked for as long as the agent runs; a second agent on the same home is refused."""
+    fd = system.open_private(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise EnvironmentProblem(
+            f"an agent already runs for {path.parent}" + (f" (pid {holder})" if holder else "")
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def boot_id() -> str:
+    """This boot's id (it changes when the machine restarts)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

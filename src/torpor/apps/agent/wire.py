@@ -1,0 +1,76 @@
+"""The JSON forms of jobs, checkpoints, images and events, both ways: what the API sends, the client reads.
+
+The same dictionaries are what ``torpor ps --json`` and the other ``--json`` outputs print, so a script
+reads one shape whether the CLI worked embedded or through the agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any
+
+from torpor.core.engine import JobStatus
+from torpor.core.records import Care, Checkpoint, CheckpointId, CheckpointKind, Event, Job, JobName, JobState
+from torpor.core.store import StoredImage
+
+
+def status_to_dict(status: JobStatus, care: Care | None = None) -> dict[str, Any]:
+    data: dict[str, Any] = asdict(status.job)
+    data["state"] = str(status.job.state)
+    data["rss_bytes"] = status.rss_bytes
+    data["last_checkpoint"] = checkpoint_to_dict(status.last_checkpoint) if status.last_checkpoint else None
+    if care is not None:
+        data["policy"] = care.policy.to_dict()
+        data["hibernated_by"] = care.hibernated_by
+    return data
+
+
+def status_from_dict(data: dict[str, Any]) -> JobStatus:
+    last = data.get("last_checkpoint")
+    return JobStatus(job_from_dict(data), data.get("rss_bytes"), checkpoint_from_dict(last) if last else None)
+
+
+def job_from_dict(data: dict[str, Any]) -> Job:
+    values = {f.name: data[f.name] for f in fields(Job)}
+    values["name"] = JobName(values["name"])
+    values["state"] = JobState(values["state"])
+    return Job(**values)
+
+
+def checkpoint_to_dict(checkpoint: Checkpoint) -> dict[str, Any]:
+    data = asdict(checkpoint)
+    data["kind"] = str(checkpoint.kind)
+    return data
+
+
+def checkpoint_from_dict(data: dict[str, Any]) -> Checkpoint:
+    values = {f.name: data[f.name] for f in fields(Checkpoint)}
+    values["id"] = CheckpointId(values["id"])
+    values["job"] = JobName(values["job"])
+    values["kind"] = CheckpointKind(values["kind"])
+    return Checkpoint(**values)
+
+
+def image_to_dict(image: StoredImage) -> dict[str, Any]:
+    return asdict(image)
+
+
+def image_from_dict(data: dict[str, Any]) -> StoredImage:
+    return StoredImage(**{f.name: data[f.name] for f in fields(StoredImage) if f.name in data})
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    return asdict(event)
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    job = data.get("job")
+    return Event(
+        data["id"], data["at"], JobName(job) if job else None, data["action"], data["reason"], data["detail"]
+    )
+
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    data = asdict(job)
+    data["state"] = str(job.state)
+    return data
