@@ -9,6 +9,7 @@ message and exit code the CLI would have had embedded.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +53,7 @@ class AgentClient:
     @classmethod
     def if_running(cls, uds: Path) -> AgentClient | None:
         """A client of the agent listening on ``uds``, or None when no agent answers there."""
-        if not uds.exists():
+        if not answers(uds):
             return None
         client = cls(uds)
         try:
@@ -233,6 +234,17 @@ class RemoteEngine:
 
     def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
         return self.client.remove(name, force)
+
+
+def answers(uds: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``uds`` (a dead agent's file does not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            probe.connect(str(uds))
+        except OSError:
+            return False
+    return True
 
 
 def _quoted(name: str) -> str:
