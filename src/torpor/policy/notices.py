@@ -454,7 +454,9 @@ def _aws_event_time(text: str) -> float | None:
     if len(fields) != 5 or fields[4] != "GMT" or fields[1] not in _MONTHS:
         return None
     day, year, clock = fields[0], fields[2], fields[3].split(":")
-    if not (day.isdigit() and year.isdigit() and len(clock) == 3 and all(part.isdigit() for part in clock)):
+    numbers = [day, year, *clock]
+    # ASCII digits only: int() would also read other scripts' digits
+    if len(clock) != 3 or not all(part.isascii() and part.isdigit() for part in numbers):
         return None
     try:
         moment = datetime(
