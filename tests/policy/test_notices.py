@@ -87,6 +87,8 @@ def test_an_endpoint_served_under_a_prefix_gets_its_token_beside_its_own_latest(
         ("ftp://169.254.169.254/latest/meta-data/spot/instance-action", "aws", "not an http:// URL"),
         ("http:///latest/meta-data/spot/instance-action", "aws", "not an http:// URL"),
         (AWS_ROOT, "auto", "cannot tell the format"),
+        ("http://169.254.169.254:99999", "aws", "port"),
+        ("http://169.254.169.254:x", "aws", "port"),
         ("http://127.0.0.1:8080/notice", "auto", "cannot tell the format"),
         (AWS_ROOT + "/latest/meta-data/instance-id", "aws", "none of the aws endpoints"),
         (SPOT.url, "gcp", "none of the gcp endpoints"),

@@ -132,6 +132,11 @@ class Endpoint:
 class Notice:
     """The machine is going away (or being worked on): what, from where, by when.
 
+    ``kind``: :data:`SPOT`, :data:`MAINTENANCE`, or the agent's own :data:`DRAIN` and :data:`SHUTDOWN`.
+    ``action``, what becomes of this machine's processes: :data:`TERMINATE`, :data:`STOP`,
+    :data:`HIBERNATE`, :data:`REBOOT` (they end: :attr:`evacuate`), :data:`MIGRATE`, :data:`CONNECTIVITY`
+    (they run on), or a spot action AWS may add later, as it sent it (taken to end them).
+    ``source`` is the URL read (``torpor`` for the agent's own). ``text`` is one line for the log.
     ``deadline`` is epoch seconds (``None``: no deadline known, e.g. ``torpor drain``). ``key`` is the same
     for every poll that sees the same notice, so that the watcher reports it once; it leaves out
     ``deadline``, which for a format without a time is "first seen + the format's warning".
@@ -188,6 +193,10 @@ def endpoints(url: str, fmt: str = AUTO) -> tuple[Endpoint, ...] | str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"notice URL '{url}' is not an http:// URL with a host"
+    try:
+        parts.port  # noqa: B018 -- reading it checks it
+    except ValueError:
+        return f"notice URL '{url}' has a port that is not a number from 0 to 65535"
     if parts.query or parts.fragment:
         return f"notice URL '{url}' has a query or fragment; give the metadata endpoint's plain URL"
     path = parts.path.rstrip("/")
