@@ -18,6 +18,8 @@ talking to a system (the adapters), parsing and rendering (the apps). Nothing he
     stop.py         how a job is stopped: SIGTERM, a grace period, then SIGKILL
     retry.py        whether a failed dump is tried again, and after what delay
     rewind.py       what a restore does with each file the job writes: leave, cut back, or refuse
+    notices.py      what a cloud's metadata service answered: a spot, preemption or maintenance notice
+    evacuation.py   which jobs to save before the machine goes, in which order; what was saved
 
 The embedded scheduler (admit, hibernate, resume, migrate) arrives with its own issue.
 """
