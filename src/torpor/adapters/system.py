@@ -15,6 +15,7 @@ import pwd
 import re
 import signal
 import stat
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -479,3 +480,19 @@ def has_capability(cap: int) -> bool | None:
 def disk_free(path: Path) -> int:
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize
+
+
+def system_stopping() -> bool | None:
+    """True while systemd shuts the machine down, False while it runs; None where systemd does not run it.
+
+    ``systemctl is-system-running`` says ``stopping`` from the moment a shutdown or reboot begins.
+    """
+    if not Path("/run/systemd/system").is_dir():
+        return None
+    try:
+        state = subprocess.run(
+            ["systemctl", "is-system-running"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return state == "stopping"

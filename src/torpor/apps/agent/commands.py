@@ -157,6 +157,9 @@ def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
         parallel=args.parallel,
         stop_deadline_s=args.stop_deadline,
         on_sigterm=args.on_sigterm,
+        notice_url=args.notice_url,
+        notice_format=args.notice_format,
+        notice_interval_s=args.notice_interval,
     )
     listen = None
     if args.listen:
@@ -319,9 +322,29 @@ def add_parsers(sub: Any, add: AddParser) -> None:
     )
     p.add_argument(
         "--on-sigterm",
-        choices=("hibernate", "leave"),
-        default="hibernate",
-        help="hibernate every job at SIGTERM and resume them at the next start (default), or leave them running",
+        choices=("auto", "hibernate", "leave"),
+        default="auto",
+        help="at SIGTERM, hibernate every job and resume them at the next start ('hibernate'), leave them "
+        "running ('leave'), or hibernate only when the machine shuts down ('auto', the default: when systemd "
+        "says it stops, or where no systemd runs it)",
+    )
+    p.add_argument(
+        "--notice-url",
+        metavar="URL",
+        help="poll this metadata URL for spot and maintenance notices (AWS or GCP)",
+    )
+    p.add_argument(
+        "--notice-format",
+        choices=("auto", "aws", "gcp"),
+        default="auto",
+        help="the notice URL's format (default: from the URL)",
+    )
+    p.add_argument(
+        "--notice-interval",
+        type=duration,
+        default=5.0,
+        metavar="DURATION",
+        help="how often to poll it (default 5s)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
     p.set_defaults(func=cmd_agent, needs_settings=True)

@@ -27,6 +27,7 @@ import uvicorn
 from torpor.adapters import system
 from torpor.apps.agent.api import create_app
 from torpor.apps.agent.service import BY_SHUTDOWN, Agent, AgentOptions
+from torpor.core.notices import NoticeWatcher
 from torpor.errors import EnvironmentProblem, UnsafePath, UsageError
 from torpor.settings import Settings
 
@@ -133,7 +134,10 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
             server.force_exit = server.should_exit = True
             return
         on_signal.seen = True  # type: ignore[attr-defined]
-        evacuate = number == signal.SIGTERM and options.on_sigterm == "hibernate"
+        evacuate = number == signal.SIGTERM and (
+            options.on_sigterm == "hibernate"
+            or (options.on_sigterm == "auto" and system.system_stopping() is not False)
+        )
         log.info(
             "%s: %s", signal.Signals(number).name, "evacuating, then stopping" if evacuate else "stopping"
         )
@@ -142,14 +146,25 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     rounds = threading.Thread(target=agent.loop, name="torpor-agent-rounds", daemon=True)
+    watcher = None
     try:
         agent.adopt()
         rounds.start()
+        if options.notice_url:
+            watcher = NoticeWatcher(
+                options.notice_url,
+                options.notice_format,
+                options.notice_interval_s,
+                agent.on_notice,
+                on_problem=agent.on_notice_problem,
+            ).start()
         where = str(socket_path(settings)) + (f" and http://{listen.host}:{listen.port}" if listen else "")
         log.info("torpor agent %d serving on %s (state in %s)", os.getpid(), where, settings.home)
         server.run(sockets=sockets)
     finally:
         agent.stopping.set()
+        if watcher is not None:
+            watcher.stop()
         for sock in sockets:
             sock.close()
         with contextlib.suppress(FileNotFoundError):

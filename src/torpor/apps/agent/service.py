@@ -27,9 +27,11 @@ from typing import Any
 from torpor.adapters import system
 from torpor.core.engine import Engine
 from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
+from torpor.core.store import DURABLE
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
-from torpor.policy import idle, periodic
+from torpor.policy import evacuation, idle, periodic
 from torpor.policy.jobpolicy import JobPolicy, format_duration
+from torpor.policy.notices import Notice
 from torpor.settings import Settings
 
 log = logging.getLogger("torpor.agent")
@@ -51,8 +53,14 @@ class AgentOptions:
     stop_deadline_s: float = 90.0
     #: seconds a ``torpor drain`` evacuation may take
     drain_deadline_s: float = 600.0
-    #: what SIGTERM does: ``hibernate`` every job (resumed at the next start) or ``leave`` them running
-    on_sigterm: str = "hibernate"
+    #: what SIGTERM does: ``hibernate`` every job (resumed at the next start), ``leave`` them running, or
+    #: ``auto``: hibernate when the machine shuts down (systemd says so, or no systemd runs it), leave them
+    #: when only the agent is stopped or restarted (``systemctl restart``)
+    on_sigterm: str = "auto"
+    #: where to poll for a spot or maintenance notice (None: nowhere), in which format, how often
+    notice_url: str | None = None
+    notice_format: str = "auto"
+    notice_interval_s: float = 5.0
 
 
 @dataclass
@@ -68,6 +76,7 @@ class EvacuationReport:
     failed: dict[str, str] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)
     finished_at: float | None = None
+    summary: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +89,7 @@ class EvacuationReport:
             "saved": self.saved,
             "failed": self.failed,
             "pending": self.pending,
+            "summary": self.summary,
         }
 
 
@@ -116,20 +126,19 @@ class Agent:
         summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
         self.event(None, "adopt", f"agent started (pid {os.getpid()}): {summary}")
         draining = self.draining()
-        if draining and (
-            draining["by"] == BY_SHUTDOWN
-            or (draining["by"] == BY_NOTICE and draining.get("boot") != boot_id())
-        ):
-            # the node went down as announced and is back: it takes jobs again and gets its own back
-            self.records.set_node_flag("draining", None)
-            self.event(None, "undrain", f"the {draining['by']} is over: {draining['why']}")
-        cares = self.records.cares()
+        if draining is None or draining["by"] == BY_DRAIN:
+            return  # a person's drain lasts until 'torpor drain --cancel'
+        if draining["by"] == BY_NOTICE and draining.get("boot") == boot_id():
+            return  # the notice's machine has not gone down yet: go on saving (the next round)
+        # the node went down as announced and is back (or only the agent was stopped): it takes jobs again
+        self.records.set_node_flag("draining", None)
+        self.event(None, "undrain", f"back after the {draining['by']} ({draining['why']})")
+        if not draining.get("resume_at_boot"):
+            return  # e.g. a spot termination: its jobs are someone else's to resume, here or elsewhere
         for job in jobs:
-            care = cares.get(job.name)
-            if job.state != JobState.HIBERNATED or care is None:
-                continue
-            if care.hibernated_by == BY_SHUTDOWN or (care.hibernated_by == BY_NOTICE and not self.draining()):
-                self.submit(job.name, "resume", f"hibernated at the {care.hibernated_by}: back", self._resume)
+            care = self.records.care(job.name)
+            if job.state == JobState.HIBERNATED and care.hibernated_by == draining["by"]:
+                self.submit(job.name, "resume", f"hibernated at the {draining['by']}: back", self._resume)
 
     def close(self) -> None:
         self.stopping.set()
@@ -270,56 +279,88 @@ class Agent:
         value = self.records.node_flag("draining")
         return None if value is None else dict(json.loads(value))
 
-    def evacuate(self, why: str, by: str, deadline_s: float | None = None) -> EvacuationReport:
+    def evacuate(
+        self, why: str, by: str, deadline_s: float | None = None, resume_at_boot: bool | None = None
+    ) -> EvacuationReport:
         """Hibernate every running job into the durable tier, most valuable first; refuse new jobs.
 
-        Runs ``parallel`` checkpoints at once and returns by the deadline with what was saved by then;
-        the checkpoints still under way go on (their launchers finish them) and the next round sees them.
+        The order and what to do with each job are :func:`torpor.policy.evacuation.plan`'s. Runs
+        ``parallel`` checkpoints at once and returns by the deadline with what was saved by then; the
+        checkpoints still under way go on (their launchers finish them) and the next round sees them.
         One that fails does not stop the others. Only one evacuation runs at a time: a second call waits
-        for it and then saves what is left.
+        for it and then saves what is left. ``resume_at_boot``: whether the agent's next start on a new
+        boot resumes what this one hibernated (default: only for its own shutdown).
         """
         if deadline_s is None:
             deadline_s = self.options.stop_deadline_s if by == BY_SHUTDOWN else self.options.drain_deadline_s
         with self._evacuating:
             started = time.time()
             if self.draining() is None:
-                flag = {"why": why, "by": by, "at": started, "boot": boot_id()}
+                flag = {
+                    "why": why,
+                    "by": by,
+                    "at": started,
+                    "boot": boot_id(),
+                    "resume_at_boot": by == BY_SHUTDOWN if resume_at_boot is None else resume_at_boot,
+                }
                 self.records.set_node_flag("draining", json.dumps(flag))
             report = EvacuationReport(why, by, started, started + deadline_s)
             self.last_evacuation = report
             self.event(None, "evacuate", f"{by}: {why}", deadline_s=deadline_s)
             self._wait_idle_actions(started + min(deadline_s, 30.0))
-            jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
-            cares = self.records.cares()
-            latest = {job.name: self.records.latest_checkpoint(job.name) for job in jobs}
-            plan = _evacuation_order(
-                [job for job in jobs if job.state in (JobState.RUNNING, JobState.HIBERNATED)],
-                {name: care.policy.priority for name, care in cares.items()},
-                {name: c.created_at for name, c in latest.items() if c is not None},
+            the_plan = evacuation.plan(
+                self._candidates(), time.time(), report.deadline_at, self.options.parallel
             )
-            report.order = list(plan)
+            report.order = [step.name for step in the_plan.steps]
+            outcomes: list[evacuation.Outcome] = []
             # not a with-block: that would wait for every checkpoint, and the report is due by the deadline
             pool = ThreadPoolExecutor(max(1, self.options.parallel), "torpor-evacuate")
-            futures = {pool.submit(self._evacuate_one, JobName(name), by): name for name in plan}
+            futures = {
+                pool.submit(self._evacuate_one, JobName(step.name), by): step.name for step in the_plan.steps
+            }
             pool.shutdown(wait=False)  # what is under way at the deadline goes on; the next round sees it
-            done, not_done = wait_futures(futures, timeout=max(0.0, report.deadline_at - time.time()))
+            done, _ = wait_futures(futures, timeout=max(0.0, report.deadline_at - time.time()))
             for future in done:
                 name = futures[future]
                 try:
                     report.saved[name] = future.result()
+                    outcomes.append(evacuation.Outcome(name, True, report.saved[name]["at"]))
                 except TorporError as exc:
                     report.failed[name] = exc.message
+                    outcomes.append(evacuation.Outcome(name, False, time.time(), exc.message))
                 except Exception as exc:
                     log.exception("evacuating %s failed", name)
                     report.failed[name] = f"{type(exc).__name__}: {exc}"
-            report.pending = sorted(futures[f] for f in not_done)
+                    outcomes.append(evacuation.Outcome(name, False, time.time(), report.failed[name]))
             report.finished_at = time.time()
-            summary = (
-                f"{len(report.saved)} saved, {len(report.failed)} failed, "
-                f"{len(report.pending)} not durable by the deadline"
-            )
-            self.event(None, "evacuated", f"{by}: {why}: {summary}", **report.to_dict())
+            outcome = evacuation.report(the_plan, outcomes, report.finished_at)
+            report.pending = list(outcome.unfinished)
+            report.summary = outcome.summary
+            self.event(None, "evacuated", f"{by}: {why}: {outcome.summary}", **report.to_dict())
             return report
+
+    def _candidates(self) -> list[evacuation.Job]:
+        """Every job as :func:`torpor.policy.evacuation.plan` sees it."""
+        jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
+        cares = self.records.cares()
+        latest = {job.name: self.records.latest_checkpoint(job.name) for job in jobs}
+        images = self.engine.image_states([c for c in latest.values() if c is not None])
+        candidates = []
+        for job in jobs:
+            last = latest[job.name]
+            image = images.get(last.id) if last else None
+            candidates.append(
+                evacuation.Job(
+                    name=job.name,
+                    state=str(job.state),
+                    priority=cares[job.name].policy.priority if job.name in cares else 0,
+                    last_checkpoint_at=last.created_at if last else None,
+                    started_at=job.started_at or job.created_at,
+                    durable_s=evacuation.durable_estimate(last.size_bytes if last else 0),
+                    image_durable=image is not None and image.state == DURABLE,
+                )
+            )
+        return candidates
 
     def _wait_idle_actions(self, until: float) -> None:
         """Let the agent's own checkpoint under way end first (a job cannot be hibernated meanwhile)."""
@@ -332,13 +373,17 @@ class Agent:
     def _evacuate_one(self, name: JobName, by: str) -> dict[str, Any]:
         started = time.monotonic()
         job = self.records.job(name)
+        deadline = time.monotonic() + 60
+        while job.state in _PASSING and time.monotonic() < deadline:  # a checkpoint or restore under way
+            time.sleep(0.1)
+            job = self.records.job(name)
         if job.state == JobState.RUNNING:
             checkpoint = self.hibernate(name, by)
             self.event(name, "hibernate", f"evacuation ({by})", **_costs(checkpoint))
         else:  # hibernated already: only its image may still be on its way to the durable tier
             latest = self.records.latest_checkpoint(name)
-            if latest is None:
-                raise UsageError(f"job '{name}' is {job.state} and has no checkpoint")
+            if latest is None or job.state != JobState.HIBERNATED:
+                raise UsageError(f"job '{name}' is {job.state}, with nothing the evacuation can save")
             checkpoint = latest
         image = self.engine.wait_durable(checkpoint.id)
         return {
@@ -346,7 +391,22 @@ class Agent:
             "durable_s": time.monotonic() - started,
             "stored_bytes": image.stored_bytes,
             "freeze_s": checkpoint.freeze_s,
+            "at": time.time(),
         }
+
+    def on_notice(self, notice: Notice) -> None:
+        """A notice of the cloud provider: evacuate (in the background: the watcher goes on polling)."""
+        left = None if notice.deadline is None else max(1.0, notice.deadline - time.time())
+        self.event(None, "notice", notice.text, source=notice.source, becomes=notice.action, deadline_s=left)
+        if notice.evacuate:
+            args = (notice.text, BY_NOTICE, left, evacuation.resumes_at_boot(notice))
+            threading.Thread(target=self.evacuate, args=args, name="torpor-evacuate", daemon=True).start()
+
+    def on_notice_problem(self, problem: str | None) -> None:
+        if problem is None:
+            log.info("the notice URL answers again")
+        else:
+            log.warning("cannot read notices: %s", problem)
 
     def undrain(self) -> list[JobName]:
         """Take new jobs again, and resume the jobs an evacuation hibernated; their names."""
@@ -372,6 +432,9 @@ class Agent:
         log.info("%s%s: %s%s", f"{job}: " if job else "", action, reason, f" ({cost})" if cost else "")
 
 
+#: states a job passes through (a checkpoint, a restore under way): an evacuation waits for them to end
+_PASSING = frozenset({JobState.STARTING, JobState.CHECKPOINTING, JobState.RESTORING})
+
 _SHOWN = ("freeze_s", "size_bytes", "total_s", "freed_bytes", "restore_s", "overhead", "error", "deadline_s")
 
 
@@ -386,10 +449,6 @@ def _costs(checkpoint: Checkpoint) -> dict[str, Any]:
         "total_s": checkpoint.total_s,
         "size_bytes": checkpoint.size_bytes,
     }
-
-
-def _evacuation_order(jobs: list[Job], priority: dict[JobName, int], last: dict[JobName, float]) -> list[str]:
-    return [job.name for job in sorted(jobs, key=lambda j: (-priority.get(j.name, 0), last.get(j.name, 0.0)))]
 
 
 def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
