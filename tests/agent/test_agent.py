@@ -4,6 +4,7 @@ restarts (SIGTERM, SIGINT, kill -9), the API's answers to bad requests, and the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -11,13 +12,14 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import JOBS, Torpor, free_port, python_job
+from conftest import Torpor, free_port, python_job
 
-from .conftest import AgentProcess, pid_alive
+from .conftest import AgentProcess, Metadata, _serve, pid_alive
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -103,7 +105,7 @@ def test_periodic_checkpoints_are_stretched_to_the_budget_and_only_the_newest_ke
     # every freeze of ~0.3-1 s on a 10 % budget stretches 1s to several: the reason says so, and the
     # checkpoints are at least that far apart (the interval is the mean of the freezes before / budget)
     assert any("stretched to" in e["reason"] for e in checkpoints[1:]), [e["reason"] for e in checkpoints]
-    for before, after in zip(checkpoints, checkpoints[1:], strict=False):
+    for before, after in itertools.pairwise(checkpoints):
         assert after["at"] - before["at"] >= 0.9 * before["detail"]["freeze_s"] / 0.10
     assert len(torpor.json("checkpoints", "c")) == 2  # --keep 2
 
@@ -208,7 +210,7 @@ def test_an_agent_killed_mid_evacuation_leaves_no_job_frozen(torpor: Torpor, age
     for name in names:
         job = torpor.job(name)
         if job["state"] == "running":
-            state = open(f"/proc/{job['pid']}/stat").read().rsplit(")", 1)[1].split()[0]
+            state = Path(f"/proc/{job['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0]
             assert state not in ("t", "T"), f"{name} is left stopped ({state})"
     agent.start()  # the node still drains: the new agent saves what is left
     for name in names:
@@ -238,3 +240,26 @@ def test_on_tcp_every_request_needs_the_token_from_a_private_file(
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer s3cret-token-for-the-test"}).json()["pid"] > 0
     assert agent.api.get("/v1/health").status_code == 200  # the unix socket needs none
+
+
+def test_a_spot_notice_served_on_loopback_evacuates_every_job(
+    torpor: Torpor, agent: AgentProcess, service: tuple[str, Metadata]
+) -> None:
+    url, meta = service
+    for name in ("a", "b"):
+        torpor.run("run", "--name", name, *python_job("counter.py"))
+    path = "/latest/meta-data/spot/instance-action"
+    agent.start("--notice-url", url + path, "--notice-interval", "200ms")
+    meta.wait_requests(3)  # polled, and a 404 is no notice
+    assert [torpor.job(n)["state"] for n in ("a", "b")] == ["running", "running"]
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+    _serve(meta, path, 200, json.dumps({"action": "terminate", "time": when}).encode())
+    notice = agent.wait_event("notice", timeout=30)
+    assert "terminate" in notice["reason"] and 60 < notice["detail"]["deadline_s"] <= 120
+    evacuated = agent.wait_event("evacuated", timeout=120)
+    assert sorted(evacuated["detail"]["saved"]) == ["a", "b"], evacuated
+    for name in ("a", "b"):
+        assert torpor.job(name)["state"] == "hibernated"
+        assert [c["state"] for c in torpor.json("checkpoints", name)] == ["durable"]
+    refused = torpor.run("run", "--name", "c", *python_job("counter.py"), check=False)
+    assert refused.returncode == 2 and "being evacuated" in refused.stderr

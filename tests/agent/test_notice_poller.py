@@ -7,13 +7,10 @@ reports each notice once and each problem once. Nothing but 127.0.0.1 is contact
 
 from __future__ import annotations
 
-import http.server
 import socket
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -23,118 +20,14 @@ from torpor.core.notices import NoticePoller, NoticeWatcher
 from torpor.errors import UsageError
 from torpor.policy.notices import Notice
 
+from .conftest import TOKEN, Metadata, _serve
+
 SPOT = "/latest/meta-data/spot/instance-action"
 SCHEDULED = "/latest/meta-data/events/maintenance/scheduled"
-TOKEN = "/latest/api/token"
 PREEMPTED = "/computeMetadata/v1/instance/preempted"
 MAINTENANCE = "/computeMetadata/v1/instance/maintenance-event"
 ACTION = b'{"action": "terminate", "time": "2017-09-18T08:22:00Z"}'
 WALL = 1_700_000_000.0
-
-
-@dataclass
-class Metadata:
-    """What the fake service serves, and what it was asked; the handler reads it under ``lock``."""
-
-    routes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    #: AWS: "optional" (IMDSv2 offered, v1 reads allowed), "required" (no read without a valid token),
-    #: "off" (IMDSv1 only: the token PUT is refused)
-    imdsv2: str = "optional"
-    tokens: set[str] = field(default_factory=set)
-    issued: int = 0
-    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    asked: threading.Condition = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.asked = threading.Condition(self.lock)
-
-    def wait_requests(self, count: int, timeout: float = 10.0) -> None:
-        with self.asked:
-            assert self.asked.wait_for(lambda: len(self.requests) >= count, timeout), "no poll came"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _record(self) -> Metadata:
-        meta = self.server.meta
-        with meta.asked:
-            meta.requests.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
-            meta.asked.notify_all()
-        return meta
-
-    def do_PUT(self) -> None:
-        meta = self._record()
-        ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-        if self.path != TOKEN or meta.imdsv2 == "off":
-            self._answer(403, b"Forbidden")
-        elif ttl is None or not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
-            self._answer(400, b"Bad Request")  # as IMDS answers a PUT without a valid TTL
-        else:
-            with meta.lock:
-                meta.issued += 1
-                token = f"token-{meta.issued}"
-                meta.tokens.add(token)
-            self._answer(200, token.encode(), {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
-
-    def do_GET(self) -> None:
-        meta = self._record()
-        with meta.lock:
-            route = meta.routes.get(self.path)
-            valid = meta.tokens.copy()
-        if self.path.startswith("/computeMetadata/") and self.headers.get("Metadata-Flavor") != "Google":
-            # GCP's metadata server refuses a request without the header
-            self._answer(403, b"Missing required header: Metadata-Flavor")
-            return
-        if self.path.startswith("/latest/"):
-            token = self.headers.get("X-aws-ec2-metadata-token")
-            if (token is not None and token not in valid) or (meta.imdsv2 == "required" and token is None):
-                self._answer(401, b"Unauthorized")
-                return
-        if route is None:
-            self._answer(404, b"Not Found")
-            return
-        status, body = route
-        self._answer(
-            status, body, {"Location": "http://127.0.0.1:1/elsewhere"} if status in (301, 302) else None
-        )
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    meta: Metadata
-
-
-@pytest.fixture
-def service() -> Iterator[tuple[str, Metadata]]:
-    """A metadata service on 127.0.0.1 (an ephemeral port) and what it serves."""
-    server = _Server(("127.0.0.1", 0), _Handler)
-    server.meta = Metadata()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.meta
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
-def _serve(meta: Metadata, path: str, status: int, body: bytes) -> None:
-    with meta.lock:
-        meta.routes[path] = (status, body)
 
 
 def _headers_of(meta: Metadata, method: str, path: str) -> list[dict[str, str]]:
