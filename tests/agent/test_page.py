@@ -1,0 +1,264 @@
+"""The agent's web page in a real browser: Debian's chromium, headless, driven by Selenium.
+
+A FastAPI app built with the page's and the metrics' ``add_routes`` is served by a real uvicorn on
+127.0.0.1; the jobs are real (checkpointed by CRIU where marked), the events and policies are what a test
+gives (the daemon's are another module's). The tests read what the browser shows — the rendered text,
+not the HTML — and the page's own reloads bring in what changed. A screenshot of the full page is saved
+in the test's folder (and copied to /tmp/agent-page.png, to look at).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from conftest import Torpor, python_job, serving
+from torpor.apps.agent import metrics, web
+from torpor.apps.agent.metrics import Event
+from torpor.apps.render import human_bytes
+from torpor.core.engine import Engine
+from torpor.settings import Settings
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SCREENSHOT_COPY = Path("/tmp/agent-page.png")
+
+# what the browser shows, read in one call (the page may reload between two): each row's key (its data-
+# attribute) and class, and its cells' text by the cell's last class
+READ_PAGE = """
+const rows = (root, sel) => [...root.querySelectorAll(sel)].map(r => ({
+  key: r.dataset.job || r.dataset.checkpoint || r.dataset.event, cls: r.className,
+  cells: Object.fromEntries([...r.cells].map(c => [c.classList[c.classList.length - 1], c.innerText.trim()])),
+}));
+const refresh = document.querySelector('meta[http-equiv="refresh"]');
+return {
+  title: document.title, scripts: document.scripts.length, refresh: refresh ? refresh.content : null,
+  summary: (document.getElementById('summary') || {}).innerText, body: document.body.innerText,
+  jobs: rows(document, '#jobs tbody tr'), timeline: rows(document, '#timeline tbody tr'),
+  checkpoints: Object.fromEntries([...document.querySelectorAll('section.checkpoints')].map(
+    s => [s.dataset.job, rows(s, 'tbody tr')])),
+};
+"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Chromium headless through chromedriver, both Debian's (selenium-manager cannot download here)."""
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]
+    if missing:
+        why = f"needs Debian's chromium and chromium-driver ({', '.join(missing)} missing: run scripts/install-programs.sh)"
+        if os.environ.get("TORPOR_TESTS_NEED_CRIU") == "1":
+            pytest.fail(f"TORPOR_TESTS_NEED_CRIU=1, but the browser test {why}")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        f"--user-data-dir={profile}",
+        "--window-size=1400,1000",
+        # nothing but the page: no update checks, sync or other background requests
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def agent_app(
+    engine: Callable[[], Any], events: list[Any], policies: dict[str, object], refresh_s: int
+) -> FastAPI:
+    """The app as the agent wires it: the page and /metrics, on one engine source and one event list."""
+    app = FastAPI()
+    web.add_routes(app, engine, lambda: events, lambda: policies, refresh_s=refresh_s)
+    metrics.add_routes(app, engine, lambda: events)
+    return app
+
+
+def read_page(driver: Any) -> dict[str, Any]:
+    """What the browser shows now; a read that meets a reload half-way is tried again (a few times)."""
+    from selenium.common.exceptions import WebDriverException
+
+    for attempt in range(10):
+        try:
+            shown: dict[str, Any] = driver.execute_script(READ_PAGE)
+            return shown
+        except WebDriverException:
+            if attempt == 9:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+def wait_shown(
+    driver: Any, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30
+) -> dict[str, Any]:
+    """The page as the browser shows it once ``predicate`` holds, without reloading it ourselves."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = read_page(driver)
+        if predicate(shown):
+            return shown
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the page never showed {what}; it shows:\n{shown['body']}")
+        time.sleep(0.3)
+
+
+def screenshot(driver: Any, folder: Path) -> Path:
+    """A PNG of the whole page (the window grown to its height), also copied to /tmp/agent-page.png."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1400, min(max(int(height) + 40, 600), 4000))
+    path = folder / "agent-page.png"
+    assert driver.save_screenshot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    shutil.copyfile(path, SCREENSHOT_COPY)
+    return path
+
+
+def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(
+    browser: Any, torpor: Torpor, tmp_path: Path
+) -> None:
+    events: list[Any] = [
+        Event(1, time.time() - 90, None, "notice", "spot instance-action for 2026-12-01T15:00:00Z", {}),
+        Event(2, time.time() - 30, None, "drain", "torpor drain", {"error": "<i>no</i> CRIU here"}),
+    ]
+    with serving(agent_app(torpor.engine, events, {}, refresh_s=5)) as url:
+        browser.get(url)
+        shown = read_page(browser)
+        response = httpx.get(url, timeout=30)
+    assert shown["title"] == f"torpor agent on {socket.gethostname()}"
+    assert shown["refresh"] == "5" and shown["scripts"] == 0
+    assert "No jobs on this node." in shown["body"] and "No checkpoints." in shown["body"]
+    assert shown["summary"].startswith("no jobs · 0 checkpoint(s), 0 B stored · 0 B freed by hibernation")
+    # newest first; a failure is marked and says why, its markup shown as text
+    assert [row["cells"]["action"] for row in shown["timeline"]] == ["drain", "notice"]
+    drain = shown["timeline"][0]
+    assert drain["cls"] == "failed" and drain["cells"]["cost"] == "failed: <i>no</i> CRIU here"
+    assert drain["cells"]["job"] == "-" and 30 <= int(drain["cells"]["time"].removesuffix("s ago")) < 60
+    assert response.headers["content-security-policy"].startswith("default-src 'none'")
+    assert response.headers["content-type"].startswith("text/html")
+
+    home = tmp_path / "not-a-folder"
+    home.write_text("")
+    with serving(agent_app(lambda: Engine(Settings(home=home)), [], {}, refresh_s=5)) as url:
+        response = httpx.get(url, timeout=30)
+        browser.get(url)
+        shown = read_page(browser)
+    assert response.status_code == 503
+    assert "cannot read torpor's state:" in shown["body"] and str(home) in shown["body"]
+    assert shown["refresh"] == "5"  # it tries again by itself
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(240)
+def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
+    browser: Any, torpor: Torpor, tmp_path: Path
+) -> None:
+    marked = "<script>document.title='pwned'</script>"
+    torpor.run("run", "--name", "alpha", *python_job("counter.py"))
+    torpor.run("run", "--name", "beta", "--", sys.executable, "-c", "import time; time.sleep(3600)", marked)
+    torpor.wait_log("alpha", "step 3")
+    first = torpor.json("checkpoint", "alpha", "--wait")
+    torpor.wait_for(lambda: torpor.job("beta")["rss_bytes"] is not None, what="beta to have processes")
+    hibernated = torpor.json("hibernate", "beta", "--wait")
+    events: list[Any] = [
+        Event(1, time.time() - 120, "alpha", "adopt", "running when the agent started", {}),
+        Event(2, time.time() - 60, "beta", "hibernate", "no CPU for 15m <b>at all</b>",
+              {"checkpoint": hibernated["id"], "freeze_s": hibernated["freeze_s"],
+               "size_bytes": hibernated["size_bytes"], "freed_bytes": hibernated["freed_rss_bytes"]}),
+        Event(3, time.time() - 5, "alpha", "checkpoint", "every 10m",
+              {"error": "criu dump failed: io_uring"}),
+    ]  # fmt: skip
+    policies: dict[str, object] = {
+        "alpha": {"checkpoint_every": "10m", "keep": 3, "wake_on": [8888, 8889], "idle_after": None},
+        "beta": "idle-after 15m",
+    }
+    with serving(agent_app(torpor.engine, events, policies, refresh_s=2)) as url:
+        browser.get(url)
+        shown = read_page(browser)
+        assert shown["refresh"] == "2"
+
+        jobs = {row["key"]: row["cells"] for row in shown["jobs"]}
+        assert list(jobs) == ["alpha", "beta"]
+        alpha, beta = jobs["alpha"], jobs["beta"]
+        assert alpha["state-cell"] == "running" and alpha["pid"] == str(torpor.job("alpha")["pid"])
+        assert alpha["memory"].endswith("MiB") and float(alpha["memory"].split()[0]) > 1
+        assert first["id"][:12] in alpha["last-checkpoint"] and alpha["last-checkpoint"].endswith("durable")
+        assert alpha["policy"] == "checkpoint-every 10m; keep 3; wake-on 8888, 8889"
+        # the state, and under it the record's message
+        assert beta["state-cell"].splitlines() == ["hibernated", f"hibernated as {hibernated['id'][:12]}"]
+        assert beta["pid"] == "-" and beta["memory"] == "-"
+        assert beta["policy"] == "idle-after 15m"
+        # the command is user input: shown as the text it is, never run
+        assert beta["command"].endswith(marked)
+        assert shown["scripts"] == 0 and shown["title"] != "pwned"
+
+        [alpha_first] = shown["checkpoints"]["alpha"]
+        assert alpha_first["key"] == first["id"]
+        cells = alpha_first["cells"]
+        assert (cells["kind"], cells["image"], cells["size"]) == (
+            "checkpoint",
+            "durable",
+            human_bytes(first["size_bytes"]),
+        )
+        assert cells["freeze"] == f"{first['freeze_s']:.3f} s" and cells["stored"].endswith("B")
+        [beta_hibernate] = shown["checkpoints"]["beta"]
+        assert (
+            beta_hibernate["cells"]["kind"] == "hibernate" and beta_hibernate["cells"]["image"] == "durable"
+        )
+
+        timeline = shown["timeline"]
+        assert [(row["cells"]["job"], row["cells"]["action"]) for row in timeline] == [
+            ("alpha", "checkpoint"), ("beta", "hibernate"), ("alpha", "adopt"),
+        ]  # fmt: skip
+        failed, hibernate, _ = (row["cells"] for row in timeline)
+        assert timeline[0]["cls"] == "failed" and failed["cost"] == "failed: criu dump failed: io_uring"
+        assert hibernate["reason"] == "no CPU for 15m <b>at all</b>"
+        assert hibernate["cost"] == (
+            f"frozen {hibernated['freeze_s']:.2f} s; image {human_bytes(hibernated['size_bytes'])}; "
+            f"freed {human_bytes(hibernated['freed_rss_bytes'])}"
+        )
+        assert f"{human_bytes(hibernated['freed_rss_bytes'])} freed by hibernation" in shown["summary"]
+        assert shown["summary"].startswith("1 hibernated, 1 running · 2 checkpoint(s)")
+        screenshot(browser, tmp_path)
+
+        # what happens next shows up by itself: the page reloads (no driver.get here)
+        second = torpor.json("checkpoint", "alpha")
+        events.append(
+            Event(4, time.time(), "alpha", "checkpoint", "every 10m", {"freeze_s": second["freeze_s"]})
+        )
+        later = wait_shown(
+            browser,
+            lambda page: (
+                any(row["key"] == second["id"] for row in page["checkpoints"].get("alpha", []))
+                and len(page["timeline"]) == 4
+            ),
+            f"checkpoint {second['id']} and the 4th event",
+        )
+        assert [row["key"] for row in later["checkpoints"]["alpha"]] == [second["id"], first["id"]]
+        assert later["timeline"][0]["cells"]["cost"] == f"frozen {second['freeze_s']:.2f} s"
