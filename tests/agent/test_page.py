@@ -4,7 +4,8 @@ A FastAPI app built with the page's and the metrics' ``add_routes`` is served by
 127.0.0.1; the jobs are real (checkpointed by CRIU where marked), the events and policies are what a test
 gives (the daemon's are another module's). The tests read what the browser shows — the rendered text,
 not the HTML — and the page's own reloads bring in what changed. A screenshot of the full page is saved
-in the test's folder (and copied to /tmp/agent-page.png, to look at).
+in the test's folder, and copied to the path in ``TORPOR_TESTS_SCREENSHOT`` when that is set (a fixed
+path in /tmp would be one another user can plant a link at).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from torpor.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-SCREENSHOT_COPY = Path("/tmp/agent-page.png")
 
 # what the browser shows, read in one call (the page may reload between two): each row's key (its data-
 # attribute) and class, and its cells' text by the cell's last class
@@ -130,13 +130,14 @@ def wait_shown(
 
 
 def screenshot(driver: Any, folder: Path) -> Path:
-    """A PNG of the whole page (the window grown to its height), also copied to /tmp/agent-page.png."""
+    """A PNG of the whole page (the window grown to its height), copied where TORPOR_TESTS_SCREENSHOT says."""
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, min(max(int(height) + 40, 600), 4000))
     path = folder / "agent-page.png"
     assert driver.save_screenshot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    shutil.copyfile(path, SCREENSHOT_COPY)
+    if copy := os.environ.get("TORPOR_TESTS_SCREENSHOT"):
+        shutil.copyfile(path, copy)
     return path
 
 
