@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,16 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
+
+
+@dataclass(frozen=True)
+class Described:
+    """A policy that describes itself, as the agent's JobPolicy does."""
+
+    text: str
+
+    def describe(self) -> str:
+        return self.text
 
 
 def agent_app(
@@ -197,7 +208,7 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
     ]  # fmt: skip
     policies: dict[str, object] = {
         "alpha": {"checkpoint_every": "10m", "keep": 3, "wake_on": [8888, 8889], "idle_after": None},
-        "beta": "idle-after 15m",
+        "beta": Described("hibernate after 15m idle; wake on port 8888 <now>"),
     }
     with serving(agent_app(torpor.engine, events, policies, refresh_s=2)) as url:
         browser.get(url)
@@ -214,7 +225,7 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
         # the state, and under it the record's message
         assert beta["state-cell"].splitlines() == ["hibernated", f"hibernated as {hibernated['id'][:12]}"]
         assert beta["pid"] == "-" and beta["memory"] == "-"
-        assert beta["policy"] == "idle-after 15m"
+        assert beta["policy"] == "hibernate after 15m idle; wake on port 8888 <now>"
         # the command is user input: shown as the text it is, never run
         assert beta["command"].endswith(marked)
         assert shown["scripts"] == 0 and shown["title"] != "pwned"

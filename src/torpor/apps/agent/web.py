@@ -30,7 +30,8 @@ from torpor.core.records import Checkpoint, JobState
 from torpor.core.store import DURABLE, StoredImage
 from torpor.errors import TorporError
 
-#: each job's policy as the agent holds it (a dataclass, a mapping or a line of text), by job name
+#: each job's policy as the agent holds it, by job name: anything with a ``describe()`` (the agent's
+#: JobPolicy), a dataclass, a mapping or a line of text
 PolicySource = Callable[[], Mapping[str, object]]
 
 #: timeline rows shown, newest first; the rest is in ``torpor events``
@@ -101,9 +102,13 @@ def _badge(text: str) -> str:
 
 
 def describe_policy(policy: object) -> str:
-    """One line of text for a job's policy: a dataclass's or mapping's set fields, or the object's text."""
+    """One line of text for a job's policy: its own ``describe()`` if it has one (the agent's JobPolicy
+    does), else a dataclass's or mapping's set fields, else its text."""
     if policy is None:
         return "-"
+    describe = getattr(policy, "describe", None)
+    if callable(describe):
+        return str(describe())
     items: list[tuple[str, Any]]
     if dataclasses.is_dataclass(policy) and not isinstance(policy, type):
         items = [(f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy)]
