@@ -11,6 +11,7 @@ path in /tmp would be one another user can plant a link at).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -26,9 +27,10 @@ from fastapi import FastAPI
 
 from conftest import Torpor, python_job, serving
 from torpor.apps.agent import metrics, web
-from torpor.apps.agent.metrics import Event
+from torpor.apps.agent.metrics import Event, Snapshot
 from torpor.apps.render import human_bytes
-from torpor.core.engine import Engine
+from torpor.core.engine import Engine, JobStatus
+from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
 from torpor.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -184,6 +186,44 @@ def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(
     assert response.status_code == 503
     assert "cannot read torpor's state:" in shown["body"] and str(home) in shown["body"]
     assert shown["refresh"] == "5"  # it tries again by itself
+
+
+def test_a_long_history_shows_its_newest_rows_and_says_where_the_rest_is() -> None:
+    now = time.time()
+    job = Job(
+        JobName("long"),
+        ["sleep", "9"],
+        "/",
+        JobState.EXITED,
+        None,
+        None,
+        None,
+        "/log",
+        now,
+        now,
+        now,
+        0,
+        None,
+        None,
+    )
+    checkpoints = [
+        Checkpoint(CheckpointId(f"c{n:03}"), job.name, CheckpointKind.CHECKPOINT, now - 100 + n, 0.1, 0.2, 1 << 20, "4.2.1", None)
+        for n in range(web.CHECKPOINT_ROWS + 5)
+    ]  # fmt: skip
+    events = [
+        Event(n, now - 1000 + n, "long", "checkpoint", "every 10m") for n in range(web.TIMELINE_ROWS + 7)
+    ]
+    page = web.render_page(
+        Snapshot(now, [JobStatus(job, None, checkpoints[-1])], checkpoints, {}, events), {}, "h"
+    )
+    shown = re.findall(r'data-checkpoint="(c\d+)"', page)
+    assert shown == [f"c{n:03}" for n in reversed(range(5, web.CHECKPOINT_ROWS + 5))]
+    assert "5 older: see <code>torpor checkpoints long</code>." in page
+    assert [int(n) for n in re.findall(r'data-event="(\d+)"', page)] == list(
+        reversed(range(7, web.TIMELINE_ROWS + 7))
+    )
+    assert "7 older action(s): see <code>torpor events</code>." in page
+    assert page.count('class="state missing"') == web.CHECKPOINT_ROWS + 1  # no image: each row and the job's
 
 
 @pytest.mark.criu

@@ -36,6 +36,8 @@ PolicySource = Callable[[], Mapping[str, object]]
 
 #: timeline rows shown, newest first; the rest is in ``torpor events``
 TIMELINE_ROWS = 200
+#: checkpoints shown per job, newest first; the rest is in ``torpor checkpoints JOB``
+CHECKPOINT_ROWS = 20
 
 #: no script may run, nothing may be fetched: the page is its own HTML and inline CSS
 HEADERS = {
@@ -200,7 +202,7 @@ def _checkpoint_tables(snapshot: Snapshot) -> str:
     sections = []
     for job, checkpoints in by_job.items():
         rows = []
-        for checkpoint in reversed(checkpoints):
+        for checkpoint in list(reversed(checkpoints))[:CHECKPOINT_ROWS]:
             image = snapshot.images.get(checkpoint.id)
             stored = human_bytes(image.stored_bytes) if image is not None and image.state == DURABLE else "-"
             error = f'<div class="muted">{e(image.error)}</div>' if image is not None and image.error else ""
@@ -220,7 +222,14 @@ def _checkpoint_tables(snapshot: Snapshot) -> str:
             "<table><thead><tr><th>Time</th><th>Checkpoint</th><th>Kind</th><th class=num>Size</th>"
             "<th class=num>Stored</th><th class=num>Frozen</th><th>Image</th></tr></thead><tbody>"
             + "".join(rows)
-            + "</tbody></table></section>"
+            + "</tbody></table>"
+            + (
+                f'<p class="muted">{len(checkpoints) - CHECKPOINT_ROWS} older: see '
+                f"<code>torpor checkpoints {e(job)}</code>.</p>"
+                if len(checkpoints) > CHECKPOINT_ROWS
+                else ""
+            )
+            + "</section>"
         )
     return "".join(sections)
 
