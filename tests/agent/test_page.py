@@ -188,6 +188,26 @@ def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(
     assert shown["refresh"] == "5"  # it tries again by itself
 
 
+def test_each_actions_cost_reads_as_words() -> None:
+    def cost(**detail: object) -> str:
+        return web.describe_cost(Event(1, 0.0, "j", "act", "why", detail))
+
+    assert cost() == "-"
+    periodic = cost(
+        checkpoint="0123456789abcdef", freeze_s=0.4321, total_s=2.5, size_bytes=3 << 20, overhead=0.0123
+    )
+    assert periodic == "checkpoint 0123456789ab; frozen 0.43 s; image 3.0 MiB; took 2.50 s; overhead 1.23 %"
+    assert cost(checkpoint="c1", restore_s=0.81, pid=4242) == "checkpoint c1; restored in 0.81 s"
+    # the evacuation's report: what was saved, failed (and why) and is still pending, not its bookkeeping
+    report = cost(
+        why="spot", by="notice", started_at=1.0, deadline_at=2.0, order=["a", "b"], finished_at=1.5,
+        saved={"a": {"freeze_s": 1.0}}, failed={"b": "criu dump failed"}, pending=[],
+    )  # fmt: skip
+    assert report == "saved 1; failed 1 (b: criu dump failed); pending 0"
+    assert cost(deadline_s=600, flavour="new") == "deadline 600.00 s; flavour new"
+    assert cost(freed_bytes=True, error="no CRIU") == "freed_bytes True; failed: no CRIU"
+
+
 def test_a_long_history_shows_its_newest_rows_and_says_where_the_rest_is() -> None:
     now = time.time()
     job = Job(
@@ -292,7 +312,7 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
         assert timeline[0]["cls"] == "failed" and failed["cost"] == "failed: criu dump failed: io_uring"
         assert hibernate["reason"] == "no CPU for 15m <b>at all</b>"
         assert hibernate["cost"] == (
-            f"frozen {hibernated['freeze_s']:.2f} s; image {human_bytes(hibernated['size_bytes'])}; "
+            f"checkpoint {hibernated['id'][:12]}; frozen {hibernated['freeze_s']:.2f} s; image {human_bytes(hibernated['size_bytes'])}; "
             f"freed {human_bytes(hibernated['freed_rss_bytes'])}"
         )
         assert f"{human_bytes(hibernated['freed_rss_bytes'])} freed by hibernation" in shown["summary"]

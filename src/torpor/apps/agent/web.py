@@ -126,26 +126,49 @@ def describe_policy(policy: object) -> str:
     return "; ".join(shown) or "-"
 
 
+#: detail keys that say what, not what it cost (the evacuation report's bookkeeping, a pid)
+_NOT_COSTS = frozenset({"pid", "why", "by", "order", "started_at", "deadline_at", "finished_at"})
+
+
 def describe_cost(event: Event) -> str:
-    """What an action cost (frozen, image, freed, durable after), as text; failures say why."""
+    """What an action made and cost (checkpoint, frozen, image, freed, durable after…), as text; a failure
+    says why. Keys the page does not know are shown as they are (a count for a collection)."""
     detail = event.detail
     parts: list[str] = []
+    #: the keys shown in words (a known key whose value is not what it should be is shown as it is)
+    used = {"error"} | _NOT_COSTS
+    if isinstance(checkpoint := detail.get("checkpoint"), str):
+        parts.append(f"checkpoint {checkpoint[:12]}")
+        used.add("checkpoint")
 
-    def seconds(key: str, label: str) -> None:
-        if isinstance(value := detail.get(key), int | float) and not isinstance(value, bool):
-            parts.append(f"{label} {value:.2f} s")
+    def number(key: str) -> float | None:
+        value = detail.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        used.add(key)
+        return float(value)
 
-    def size(key: str, label: str) -> None:
-        if isinstance(value := detail.get(key), int) and not isinstance(value, bool):
-            parts.append(f"{label} {human_bytes(value)}")
-
-    seconds("freeze_s", "frozen")
-    size("size_bytes", "image")
-    size("freed_bytes", "freed")
-    seconds("durable_s", "durable after")
-    seconds("total_s", "took")
-    known = {"freeze_s", "size_bytes", "freed_bytes", "durable_s", "total_s", "error", "checkpoint"}
-    parts += [f"{key} {value}" for key, value in detail.items() if key not in known]
+    for key, label in (("freeze_s", "frozen"), ("restore_s", "restored in")):
+        if (seconds := number(key)) is not None:
+            parts.append(f"{label} {seconds:.2f} s")
+    for key, label in (("size_bytes", "image"), ("freed_bytes", "freed")):
+        if (size := number(key)) is not None:
+            parts.append(f"{label} {human_bytes(int(size))}")
+    for key, label in (("durable_s", "durable after"), ("total_s", "took"), ("deadline_s", "deadline")):
+        if (seconds := number(key)) is not None:
+            parts.append(f"{label} {seconds:.2f} s")
+    if (share := number("overhead")) is not None:
+        parts.append(f"overhead {share * 100:.2f} %")
+    for key, value in detail.items():
+        if key in used:
+            continue
+        if isinstance(value, Mapping):
+            reasons = [f"{k}: {v}" for k, v in value.items() if isinstance(v, str)]
+            parts.append(f"{key} {len(value)}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+        elif isinstance(value, list | tuple):
+            parts.append(f"{key} {len(value)}")
+        else:
+            parts.append(f"{key} {value}")
     if detail.get("error"):
         parts.append(f"failed: {detail['error']}")
     return "; ".join(parts) or "-"
