@@ -127,6 +127,23 @@ class Snapshot:
     images: dict[CheckpointId, StoredImage | None]
     events: list[Event]
 
+    @property
+    def stored_bytes(self) -> int:
+        """What the store spent on the durable images of the checkpoints on record (their new chunks)."""
+        return sum(
+            image.stored_bytes
+            for image in self.images.values()
+            if image is not None and image.state == DURABLE
+        )
+
+    def freed_bytes(self) -> Counter[str]:
+        """Memory the agent's actions freed (their events' ``freed_bytes``), by action."""
+        freed: Counter[str] = Counter()
+        for event in self.events:
+            if (value := _number(event.detail.get("freed_bytes"))) is not None:
+                freed[event.action] += int(value)
+        return freed
+
 
 def read_snapshot(engine: EngineView, events: EventSource) -> Snapshot:
     """Read the jobs, checkpoints, images and events once; raises what the engine raises (TorporError)."""
@@ -186,11 +203,7 @@ def families(snapshot: Snapshot) -> list[Metric]:
     stored = GaugeMetricFamily(
         "torpor_store_bytes",
         "Bytes the store spent on the durable images of the checkpoints on record (new chunks of each).",
-        value=sum(
-            image.stored_bytes
-            for image in snapshot.images.values()
-            if image is not None and image.state == DURABLE
-        ),
+        value=snapshot.stored_bytes,
     )
 
     freed = CounterMetricFamily(
@@ -198,14 +211,9 @@ def families(snapshot: Snapshot) -> list[Metric]:
         "Memory freed by the agent's hibernations (their events' freed_bytes), by action.",
         labels=["action"],
     )
-    freed_by_action: Counter[str] = Counter()
-    actions: Counter[tuple[str, str]] = Counter()
-    for event in snapshot.events:
-        actions[event.action, "failed" if event.failed else "ok"] += 1
-        if (value := _number(event.detail.get("freed_bytes"))) is not None:
-            freed_by_action[event.action] += int(value)
-    for action, value in sorted(freed_by_action.items()):
+    for action, value in sorted(snapshot.freed_bytes().items()):
         freed.add_metric([action], value)
+    actions = Counter((event.action, "failed" if event.failed else "ok") for event in snapshot.events)
     done = CounterMetricFamily(
         "torpor_actions",
         "Automatic actions of the agent (its events), by action and outcome (ok, failed).",

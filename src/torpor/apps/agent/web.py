@@ -6,7 +6,7 @@ The page is rendered on the server from one :func:`~torpor.apps.agent.metrics.re
 itself every few seconds: no script, no asset fetched from anywhere (the agent's machine may have no
 internet, and the page must work from an SSH tunnel). Job commands, event reasons and errors are user
 input: every value goes through :func:`html.escape`, and the Content-Security-Policy forbids scripts
-besides, so a job that calls itself ``<script>`` shows as text.
+besides, so a job whose command holds ``<script>`` shows it as text.
 
 What it leaves to others: reading the state (:mod:`torpor.apps.agent.metrics`), the events and the
 policies themselves (the daemon's).
@@ -41,7 +41,9 @@ CHECKPOINT_ROWS = 20
 
 #: no script may run, nothing may be fetched: the page is its own HTML and inline CSS
 HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'",
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -64,7 +66,7 @@ code { font: .92em ui-monospace, monospace; overflow-wrap: anywhere; }
 .running, .durable { background: #2a72; color: #2a7; }
 .hibernated, .staged { background: #37d2; color: #37d; }
 .checkpointing, .hibernating, .restoring, .starting, .destaging { background: #c802; color: #c80; }
-.failed, .error, .missing, .unknown { background: #d332; color: #d33; }
+.failed, .missing, .unknown { background: #d332; color: #d33; }
 th.num { text-align: right; }
 tr.failed td { color: #d33; background: #d331; }
 section.checkpoints table { table-layout: fixed; }
@@ -75,6 +77,7 @@ section.checkpoints th:nth-child(4), section.checkpoints th:nth-child(5),
 section.checkpoints th:nth-child(6) { width: 7em; }
 """
 
+#: the words a badge is coloured by: job states and image states
 _STATE_CLASSES = {state.value for state in JobState} | {
     "durable",
     "staged",
@@ -121,7 +124,7 @@ def describe_policy(policy: object) -> str:
     shown = [
         f"{key.replace('_', '-')} {', '.join(map(str, value)) if isinstance(value, list | tuple) else value}"
         for key, value in items
-        if value not in (None, False, (), [], "")
+        if value not in (None, False, (), [], "")  # unset (0 == False: a zero is unset too)
     ]
     return "; ".join(shown) or "-"
 
@@ -294,16 +297,7 @@ def render_page(snapshot: Snapshot, policies: Mapping[str, object], host: str, r
     for status in snapshot.jobs:
         states[status.job.state] = states.get(status.job.state, 0) + 1
     counts = ", ".join(f"{count} {state}" for state, count in sorted(states.items())) or "no jobs"
-    stored = sum(
-        image.stored_bytes
-        for image in snapshot.images.values()
-        if image is not None and image.state == DURABLE
-    )
-    freed = sum(
-        value
-        for event in snapshot.events
-        if isinstance(value := event.detail.get("freed_bytes"), int) and not isinstance(value, bool)
-    )
+    stored, freed = snapshot.stored_bytes, sum(snapshot.freed_bytes().values())
     updated = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(snapshot.now))
     body = (
         f"<h1>torpor agent on {e(host)}</h1>"
