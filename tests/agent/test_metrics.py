@@ -68,6 +68,8 @@ def test_events_alone_make_the_counters_and_the_durable_histogram(served: str, e
          "detail": {"freed_bytes": 3 << 20, "durable_s": 0.3, "freeze_s": 0.2, "checkpoint": "gone1"}},
         {"id": 2, "at": now, "job": "b", "action": "hibernate", "reason": "idle for 15m",
          "detail": {"freed_bytes": 5 << 20, "durable_s": 4.0, "freeze_s": 9.0}},
+        # the same checkpoint named again (a later report of it) is still one checkpoint
+        Event(6, now, "a", "report", "", {"checkpoint": "gone1", "freeze_s": 0.2, "size_bytes": 1 << 20}),
         Event(3, now, "c", "evacuate", "spot notice", {"error": "criu dump failed", "durable_s": 700.0}),
         Event(4, now, None, "notice", "spot instance-action", {"freed_bytes": "a lot"}),
     ]  # fmt: skip
@@ -84,6 +86,7 @@ def test_events_alone_make_the_counters_and_the_durable_histogram(served: str, e
     assert value(samples, "torpor_actions_total", action="hibernate", outcome="ok") == 2
     assert value(samples, "torpor_actions_total", action="evacuate", outcome="failed") == 1
     assert value(samples, "torpor_actions_total", action="notice", outcome="ok") == 1
+    assert value(samples, "torpor_actions_total", action="report", outcome="ok") == 1
     # a freed_bytes that is no number is no cost (a newer agent's detail must not break the scrape)
     assert value(samples, "torpor_hibernation_freed_bytes_total", action="hibernate") == 8 << 20
     assert ("torpor_hibernation_freed_bytes_total", (("action", "notice"),)) not in samples
@@ -103,6 +106,7 @@ def test_events_alone_make_the_counters_and_the_durable_histogram(served: str, e
     # a checkpoint still on record, so it does not (it would count twice)
     assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 1
     assert value(samples, "torpor_checkpoint_freeze_seconds_sum") == pytest.approx(0.2)
+    assert value(samples, "torpor_checkpoint_size_bytes_count") == 0  # the first event gave no size
 
     # read again at each scrape, nothing cached
     events.append(Event(5, now, "a", "resume", "a client connected to port 8888", {"total_s": 0.8}))

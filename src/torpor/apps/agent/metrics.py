@@ -179,12 +179,18 @@ def families(snapshot: Snapshot) -> list[Metric]:
         if status.rss_bytes is not None:
             resident.add_metric([status.job.name], status.rss_bytes)
 
+    # checkpoints retention removed still count, by the first event that names each (with its costs)
     on_record = {checkpoint.id for checkpoint in snapshot.checkpoints}
-    pruned = [
-        event
-        for event in snapshot.events
-        if isinstance(event.detail.get("checkpoint"), str) and event.detail["checkpoint"] not in on_record
-    ]
+    first_named: dict[str, Event] = {}
+    for event in snapshot.events:
+        named = event.detail.get("checkpoint")
+        if (
+            isinstance(named, str)
+            and named not in on_record
+            and _number(event.detail.get("freeze_s")) is not None
+        ):
+            first_named.setdefault(named, event)
+    pruned = list(first_named.values())
     freezes = [c.freeze_s for c in snapshot.checkpoints] + _numbers(pruned, "freeze_s")
     sizes = [float(c.size_bytes) for c in snapshot.checkpoints] + _numbers(pruned, "size_bytes")
     durable_times = _numbers(snapshot.events, "durable_s")
