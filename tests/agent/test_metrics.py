@@ -2,7 +2,7 @@
 
 Each test builds a FastAPI app with :func:`torpor.apps.agent.metrics.add_routes`, serves it with a real
 uvicorn on 127.0.0.1 and scrapes it over HTTP; the jobs are real (and checkpointed with CRIU where marked),
-the events are the list a test gives (the daemon's events table is another module's).
+the events come from the records (the agent's events table) or, for their forms, from a list a test gives.
 """
 
 from __future__ import annotations
@@ -132,60 +132,61 @@ def test_a_state_directory_that_cannot_be_read_answers_503_with_the_reason(tmp_p
 
 @pytest.mark.criu
 @pytest.mark.timeout(240)
-def test_a_scrape_reads_the_jobs_their_checkpoints_and_the_store(
-    torpor: Torpor, served: str, events: list[Any]
-) -> None:
+def test_a_scrape_reads_the_jobs_their_checkpoints_and_the_store(torpor: Torpor) -> None:
     torpor.run("run", "--name", "alpha", *python_job("counter.py"))
     torpor.run("run", "--name", "beta", *python_job("memory_hog.py", "16"))
     torpor.wait_log("alpha", "step 3")
     torpor.wait_log("beta", "step 3")
     first = torpor.json("checkpoint", "alpha", "--wait")
     hibernated = torpor.json("hibernate", "beta", "--wait")
-    events += [
-        Event(1, time.time(), "alpha", "checkpoint", "every 10m",
-              {"checkpoint": first["id"], "freeze_s": first["freeze_s"], "durable_s": 0.7}),
-        Event(2, time.time(), "beta", "hibernate", "idle for 15m",
-              {"checkpoint": hibernated["id"], "freeze_s": hibernated["freeze_s"],
-               "freed_bytes": hibernated["freed_rss_bytes"]}),
-    ]  # fmt: skip
+    # what the agent records of its actions, in its records (the daemon's costs: service._costs)
+    records = torpor.engine().records
+    records.add_event("alpha", "checkpoint", "every 10m", checkpoint=first["id"], freeze_s=first["freeze_s"],
+                      size_bytes=first["size_bytes"], durable_s=0.7)  # fmt: skip
+    records.add_event("beta", "hibernate", "idle for 15m", checkpoint=hibernated["id"],
+                      freeze_s=hibernated["freeze_s"], freed_bytes=hibernated["freed_rss_bytes"])  # fmt: skip
+    app = FastAPI()
+    metrics.add_routes(app, torpor.engine, records.events)
+    with serving(app) as served:
+        _, samples = scrape(served)
+        assert value(samples, "torpor_jobs", state="running") == 1
+        assert value(samples, "torpor_jobs", state="hibernated") == 1
+        assert value(samples, "torpor_job_resident_bytes", job="alpha") > 1 << 20
+        assert (
+            "torpor_job_resident_bytes",
+            (("job", "beta"),),
+        ) not in samples  # hibernated: nothing resident
 
-    _, samples = scrape(served)
-    assert value(samples, "torpor_jobs", state="running") == 1
-    assert value(samples, "torpor_jobs", state="hibernated") == 1
-    assert value(samples, "torpor_job_resident_bytes", job="alpha") > 1 << 20
-    assert ("torpor_job_resident_bytes", (("job", "beta"),)) not in samples  # hibernated: nothing resident
+        recorded = torpor.json("checkpoints")
+        assert len(recorded) == 2 and all(c["state"] == "durable" for c in recorded)
+        assert value(samples, "torpor_checkpoints", image_state="durable") == 2
+        assert value(samples, "torpor_store_bytes") == sum(c["stored_bytes"] for c in recorded) > 0
+        # the events name checkpoints on record: the records count, the events do not count them again
+        assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 2
+        assert value(samples, "torpor_checkpoint_freeze_seconds_sum") == pytest.approx(
+            first["freeze_s"] + hibernated["freeze_s"]
+        )
+        assert value(samples, "torpor_checkpoint_size_bytes_sum") == sum(c["size_bytes"] for c in recorded)
+        sizes = buckets(samples, "torpor_checkpoint_size_bytes")
+        assert list(sizes.values()) == sorted(sizes.values())  # cumulative
+        # beta holds 16 MiB of random bytes: its image is over 16 MiB, under 64 MiB
+        assert sizes["16777216.0"] <= 1 and sizes["67108864.0"] == 2
+        freed = value(samples, "torpor_hibernation_freed_bytes_total", action="hibernate")
+        assert freed == hibernated["freed_rss_bytes"] > 16 << 20
+        assert value(samples, "torpor_checkpoint_durable_seconds_count") == 1
+        assert value(samples, "torpor_checkpoint_durable_seconds_sum") == pytest.approx(0.7)
+        assert value(samples, "torpor_actions_total", action="checkpoint", outcome="ok") == 1
 
-    recorded = torpor.json("checkpoints")
-    assert len(recorded) == 2 and all(c["state"] == "durable" for c in recorded)
-    assert value(samples, "torpor_checkpoints", image_state="durable") == 2
-    assert value(samples, "torpor_store_bytes") == sum(c["stored_bytes"] for c in recorded) > 0
-    # the events name checkpoints on record: the records count, the events do not count them again
-    assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 2
-    assert value(samples, "torpor_checkpoint_freeze_seconds_sum") == pytest.approx(
-        first["freeze_s"] + hibernated["freeze_s"]
-    )
-    assert value(samples, "torpor_checkpoint_size_bytes_sum") == sum(c["size_bytes"] for c in recorded)
-    sizes = buckets(samples, "torpor_checkpoint_size_bytes")
-    assert list(sizes.values()) == sorted(sizes.values())  # cumulative
-    # beta holds 16 MiB of random bytes: its image is over 16 MiB, under 64 MiB
-    assert sizes["16777216.0"] <= 1 and sizes["67108864.0"] == 2
-    assert (
-        value(samples, "torpor_hibernation_freed_bytes_total", action="hibernate")
-        == (hibernated["freed_rss_bytes"])
-        > 16 << 20
-    )
-
-    # a checkpoint by hand counts at the next scrape; one pruned with its job still counts by its event
-    second = torpor.json("checkpoint", "alpha")
-    _, samples = scrape(served)
-    assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 3
-    torpor.run("rm", "--force", "alpha")
-    _, samples = scrape(served)
-    assert value(samples, "torpor_jobs", state="running") == 0
-    assert (
-        value(samples, "torpor_checkpoint_freeze_seconds_count") == 2
-    )  # beta's record + alpha's first event
-    assert value(samples, "torpor_checkpoint_freeze_seconds_sum") == pytest.approx(
-        first["freeze_s"] + hibernated["freeze_s"]
-    )
-    assert second["id"] not in {c["id"] for c in torpor.json("checkpoints")}
+        # a checkpoint by hand counts at the next scrape; one pruned with its job still counts by its event
+        second = torpor.json("checkpoint", "alpha")
+        _, samples = scrape(served)
+        assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 3
+        torpor.run("rm", "--force", "alpha")
+        _, samples = scrape(served)
+        assert value(samples, "torpor_jobs", state="running") == 0
+        # beta's record, and alpha's first checkpoint by its event
+        assert value(samples, "torpor_checkpoint_freeze_seconds_count") == 2
+        assert value(samples, "torpor_checkpoint_freeze_seconds_sum") == pytest.approx(
+            first["freeze_s"] + hibernated["freeze_s"]
+        )
+        assert second["id"] not in {c["id"] for c in torpor.json("checkpoints")}

@@ -1,8 +1,8 @@
 """The agent's web page in a real browser: Debian's chromium, headless, driven by Selenium.
 
 A FastAPI app built with the page's and the metrics' ``add_routes`` is served by a real uvicorn on
-127.0.0.1; the jobs are real (checkpointed by CRIU where marked), the events and policies are what a test
-gives (the daemon's are another module's). The tests read what the browser shows — the rendered text,
+127.0.0.1; the jobs are real (checkpointed by CRIU where marked), their events and policies are written
+into the real records as the agent writes them. The tests read what the browser shows — the rendered text,
 not the HTML — and the page's own reloads bring in what changed. A screenshot of the full page is saved
 in the test's folder, and copied to the path in ``TORPOR_TESTS_SCREENSHOT`` when that is set (a fixed
 path in /tmp would be one another user can plant a link at).
@@ -17,7 +17,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,12 @@ from fastapi import FastAPI
 
 from conftest import Torpor, python_job, serving
 from torpor.apps.agent import metrics, web
-from torpor.apps.agent.metrics import Event, Snapshot
+from torpor.apps.agent.metrics import EngineSource, Event, EventSource, Snapshot
+from torpor.apps.agent.web import PolicySource
 from torpor.apps.render import human_bytes
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
+from torpor.policy.jobpolicy import JobPolicy
 from torpor.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -93,23 +94,11 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         driver.quit()
 
 
-@dataclass(frozen=True)
-class Described:
-    """A policy that describes itself, as the agent's JobPolicy does."""
-
-    text: str
-
-    def describe(self) -> str:
-        return self.text
-
-
-def agent_app(
-    engine: Callable[[], Any], events: list[Any], policies: dict[str, object], refresh_s: int
-) -> FastAPI:
-    """The app as the agent wires it: the page and /metrics, on one engine source and one event list."""
+def agent_app(engine: EngineSource, events: EventSource, policies: PolicySource, refresh_s: int) -> FastAPI:
+    """The app as the agent wires it: the page and /metrics, on one engine and one source of events."""
     app = FastAPI()
-    web.add_routes(app, engine, lambda: events, lambda: policies, refresh_s=refresh_s)
-    metrics.add_routes(app, engine, lambda: events)
+    web.add_routes(app, engine, events, policies, refresh_s=refresh_s)
+    metrics.add_routes(app, engine, events)
     return app
 
 
@@ -161,7 +150,7 @@ def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(
         Event(1, time.time() - 90, None, "notice", "spot instance-action for 2026-12-01T15:00:00Z", {}),
         Event(2, time.time() - 30, None, "drain", "torpor drain", {"error": "<i>no</i> CRIU here"}),
     ]
-    with serving(agent_app(torpor.engine, events, {}, refresh_s=5)) as url:
+    with serving(agent_app(torpor.engine, lambda: events, dict, refresh_s=5)) as url:
         browser.get(url)
         shown = read_page(browser)
         response = httpx.get(url, timeout=30)
@@ -179,7 +168,7 @@ def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(
 
     home = tmp_path / "not-a-folder"
     home.write_text("")
-    with serving(agent_app(lambda: Engine(Settings(home=home)), [], {}, refresh_s=5)) as url:
+    with serving(agent_app(lambda: Engine(Settings(home=home)), list, dict, refresh_s=5)) as url:
         response = httpx.get(url, timeout=30)
         browser.get(url)
         shown = read_page(browser)
@@ -208,24 +197,19 @@ def test_each_actions_cost_reads_as_words() -> None:
     assert cost(freed_bytes=True, error="no CRIU") == "freed_bytes True; failed: no CRIU"
 
 
+def test_a_policy_reads_as_one_line() -> None:
+    assert web.describe_policy(JobPolicy(checkpoint_every_s=600, keep=3)) == "checkpoint every 10m, keep 3"
+    assert web.describe_policy(JobPolicy()) == "-"
+    assert web.describe_policy(None) == "-"
+    # from the JSON API (a dict) or any other dataclass: its set fields
+    listed = {"checkpoint_every_s": 600, "wake_on": [8888, 8889], "idle_after_s": None, "keep": 0}
+    assert web.describe_policy(listed) == "checkpoint-every-s 600; wake-on 8888, 8889"
+    assert web.describe_policy("idle-after 15m") == "idle-after 15m"
+
+
 def test_a_long_history_shows_its_newest_rows_and_says_where_the_rest_is() -> None:
     now = time.time()
-    job = Job(
-        JobName("long"),
-        ["sleep", "9"],
-        "/",
-        JobState.EXITED,
-        None,
-        None,
-        None,
-        "/log",
-        now,
-        now,
-        now,
-        0,
-        None,
-        None,
-    )
+    job = Job(JobName("long"), ["sleep", "9"], "/", JobState.EXITED, None, None, None, "/log", now, now, now, 0, None, None)  # fmt: skip
     checkpoints = [
         Checkpoint(CheckpointId(f"c{n:03}"), job.name, CheckpointKind.CHECKPOINT, now - 100 + n, 0.1, 0.2, 1 << 20, "4.2.1", None)
         for n in range(web.CHECKPOINT_ROWS + 5)
@@ -258,19 +242,22 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
     first = torpor.json("checkpoint", "alpha", "--wait")
     torpor.wait_for(lambda: torpor.job("beta")["rss_bytes"] is not None, what="beta to have processes")
     hibernated = torpor.json("hibernate", "beta", "--wait")
-    events: list[Any] = [
-        Event(1, time.time() - 120, "alpha", "adopt", "running when the agent started", {}),
-        Event(2, time.time() - 60, "beta", "hibernate", "no CPU for 15m <b>at all</b>",
-              {"checkpoint": hibernated["id"], "freeze_s": hibernated["freeze_s"],
-               "size_bytes": hibernated["size_bytes"], "freed_bytes": hibernated["freed_rss_bytes"]}),
-        Event(3, time.time() - 5, "alpha", "checkpoint", "every 10m",
-              {"error": "criu dump failed: io_uring"}),
-    ]  # fmt: skip
-    policies: dict[str, object] = {
-        "alpha": {"checkpoint_every": "10m", "keep": 3, "wake_on": [8888, 8889], "idle_after": None},
-        "beta": Described("hibernate after 15m idle; wake on port 8888 <now>"),
-    }
-    with serving(agent_app(torpor.engine, events, policies, refresh_s=2)) as url:
+    # what the agent would have recorded, in its records (oldest first)
+    engine = torpor.engine()
+    records = engine.records
+    records.add_event("alpha", "adopt", "running when the agent started")
+    records.add_event(
+        "beta", "hibernate", "no CPU for 15m <b>at all</b>", checkpoint=hibernated["id"],
+        freeze_s=hibernated["freeze_s"], size_bytes=hibernated["size_bytes"], freed_bytes=hibernated["freed_rss_bytes"],
+    )  # fmt: skip
+    records.add_event("alpha", "checkpoint", "every 10m", error="criu dump failed: io_uring")
+    records.set_policy(JobName("alpha"), JobPolicy(checkpoint_every_s=600, keep=3, priority=2))
+    records.set_policy(JobName("beta"), JobPolicy(idle_after_s=900, wake_on=(8888, 8889)))
+
+    def policies() -> dict[str, object]:
+        return {name: care.policy for name, care in records.cares().items()}
+
+    with serving(agent_app(lambda: engine, records.events, policies, refresh_s=2)) as url:
         browser.get(url)
         shown = read_page(browser)
         assert shown["refresh"] == "2"
@@ -281,11 +268,11 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
         assert alpha["state-cell"] == "running" and alpha["pid"] == str(torpor.job("alpha")["pid"])
         assert alpha["memory"].endswith("MiB") and float(alpha["memory"].split()[0]) > 1
         assert first["id"][:12] in alpha["last-checkpoint"] and alpha["last-checkpoint"].endswith("durable")
-        assert alpha["policy"] == "checkpoint-every 10m; keep 3; wake-on 8888, 8889"
+        assert alpha["policy"] == "checkpoint every 10m, keep 3; priority 2"
         # the state, and under it the record's message
         assert beta["state-cell"].splitlines() == ["hibernated", f"hibernated as {hibernated['id'][:12]}"]
         assert beta["pid"] == "-" and beta["memory"] == "-"
-        assert beta["policy"] == "hibernate after 15m idle; wake on port 8888 <now>"
+        assert beta["policy"] == "hibernate after 15m idle; wake on port 8888,8889"
         # the command is user input: shown as the text it is, never run
         assert beta["command"].endswith(marked)
         assert shown["scripts"] == 0 and shown["title"] != "pwned"
@@ -321,9 +308,7 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
 
         # what happens next shows up by itself: the page reloads (no driver.get here)
         second = torpor.json("checkpoint", "alpha")
-        events.append(
-            Event(4, time.time(), "alpha", "checkpoint", "every 10m", {"freeze_s": second["freeze_s"]})
-        )
+        records.add_event("alpha", "checkpoint", "every 10m", freeze_s=second["freeze_s"])
         later = wait_shown(
             browser,
             lambda page: (
