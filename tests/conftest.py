@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,15 @@ class Torpor:
         self.wait_for(lambda: self.job(name)["state"] in states, timeout, f"{name} to be {states}")
         return self.job(name)
 
+    def engine(self) -> Any:
+        """An Engine in this process on the same state directory and hot tier as the CLI's."""
+        from torpor.core.engine import Engine
+        from torpor.settings import Settings, find_criu
+
+        return Engine(
+            Settings(home=self.home, criu=find_criu(None), hot_dir=Path(self.env["TORPOR_HOT_DIR"]))
+        )
+
 
 @pytest.fixture
 def torpor(tmp_path: Path) -> Iterator[Torpor]:
@@ -174,6 +184,30 @@ class OutsideUnixServer:
         for conn in self.accepted:
             conn.close()
         self.server.close()
+
+
+@contextmanager
+def serving(app: Any, timeout: float = 10) -> Iterator[str]:
+    """A real uvicorn server for the ASGI ``app`` on an ephemeral port of 127.0.0.1; yields its base URL."""
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"uvicorn did not start on 127.0.0.1:{port}")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        listener.close()
 
 
 #: ``mount(name, options)``: a tmpfs mounted (with those options) on a new folder of the test's tmp_path
