@@ -24,7 +24,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from conftest import Torpor, python_job, serving
+from conftest import Torpor, free_port, python_job, serving
 from torpor.apps.agent import metrics, web
 from torpor.apps.agent.metrics import EngineSource, Event, EventSource, Snapshot
 from torpor.apps.agent.web import PolicySource
@@ -33,6 +33,8 @@ from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
 from torpor.policy.jobpolicy import JobPolicy
 from torpor.settings import Settings
+
+from .conftest import AgentProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -319,3 +321,43 @@ def test_the_page_shows_the_jobs_their_checkpoints_and_the_timeline(
         )
         assert [row["key"] for row in later["checkpoints"]["alpha"]] == [second["id"], first["id"]]
         assert later["timeline"][0]["cells"]["cost"] == f"frozen {second['freeze_s']:.2f} s"
+
+
+@pytest.mark.criu
+def test_the_agent_serves_its_page_and_metrics_over_tcp_to_whoever_has_the_token(
+    browser: Any, torpor: Torpor, agent: AgentProcess, tmp_path: Path
+) -> None:
+    secret = "a-token-for-the-page-test-0123456789"
+    token = tmp_path / "token"
+    token.write_text(secret)
+    token.chmod(0o600)
+    port = free_port()
+    torpor.run(
+        "run", "--name", "gamma", "--checkpoint-every", "1s", "--budget", "50%", *python_job("counter.py")
+    )
+    agent.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token))
+    agent.wait_event("checkpoint", "gamma", timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(url + "/").status_code == 401  # the page shows jobs' commands: not without the token
+    browser.execute_cdp_cmd("Network.enable", {})
+    browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {secret}"}})
+    try:
+        browser.get(url + "/")
+        shown = wait_shown(
+            browser,
+            lambda page: (
+                any(row["key"] == "gamma" for row in page["jobs"])
+                and any(row["cells"].get("action") == "checkpoint" for row in page["timeline"])
+            ),
+            "job gamma and the agent's periodic checkpoint",
+        )
+        [gamma] = [row["cells"] for row in shown["jobs"] if row["key"] == "gamma"]
+        assert gamma["state-cell"] == "running" and gamma["policy"] == "checkpoint every 1s"
+        reasons = [row["cells"]["reason"] for row in shown["timeline"]]
+        assert any(reason.startswith("agent started (pid ") for reason in reasons)
+        screenshot(browser, tmp_path)
+    finally:
+        browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {}})
+    scraped = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {secret}"})
+    assert scraped.status_code == 200
+    assert 'torpor_jobs{state="running"} 1.0' in scraped.text

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from torpor import __version__
-from torpor.apps.agent import care, wire
+from torpor.apps.agent import care, metrics, web, wire
 from torpor.apps.agent.service import BY_DRAIN, Agent
 from torpor.core.context import Progress
 from torpor.errors import CheckpointNotFound as NoCheckpoint
@@ -238,6 +238,10 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         report = agent.last_evacuation
         return report.to_dict() if report else None
 
+    metrics.add_routes(app, lambda: engine, records.events)
+    web.add_routes(
+        app, lambda: engine, records.events, lambda: {n: c.policy for n, c in records.cares().items()}
+    )
     return app
 
 
