@@ -26,6 +26,7 @@ import uvicorn
 
 from torpor.adapters import system
 from torpor.apps.agent.api import create_app
+from torpor.apps.agent.locate import socket_path
 from torpor.apps.agent.service import BY_SHUTDOWN, Agent, AgentOptions
 from torpor.core.notices import NoticeWatcher
 from torpor.errors import EnvironmentProblem, UnsafePath, UsageError
@@ -41,10 +42,6 @@ class Listen:
     host: str
     port: int
     token_file: Path
-
-
-def socket_path(settings: Settings) -> Path:
-    return settings.home / "agent.sock"
 
 
 def read_token(path: Path) -> str:
