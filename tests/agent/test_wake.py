@@ -177,6 +177,13 @@ def holding(addresses: list[tuple[str, int]], waker: Waker, *, gate: bool = Fals
     return holder
 
 
+def held_by(holder: PortHolder, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while holder.held < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holder.held == count
+
+
 # -- which addresses ------------------------------------------------------------------------------------
 
 LISTENER = """
@@ -299,10 +306,7 @@ def test_without_so_reuseaddr_a_server_cannot_bind_while_connections_are_held() 
     with PortHolder([("127.0.0.1", port)], lambda: None) as holder:
         holder.start()
         client = socket.create_connection(("127.0.0.1", port), timeout=30)
-        deadline = time.monotonic() + 30
-        while holder.held < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert holder.held == 1
+        held_by(holder, 1)
         holder.release()
         for reuse, fails in ((0, True), (1, False)):
             with socket.socket() as job:
@@ -336,6 +340,7 @@ def test_close_stops_holding() -> None:
     holder.start()
     client = socket.create_connection(("127.0.0.1", port), timeout=30)
     client.settimeout(30)
+    held_by(holder, 1)
     holder.close()
     assert client.recv(10) == b""  # the held connection is closed, not left hanging
     client.close()

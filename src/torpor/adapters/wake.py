@@ -82,8 +82,14 @@ class RelayReport:
 class PortHolder:
     """Listens on a hibernated job's addresses, holds the connections that come, relays them to the job.
 
-    Thread-safe: the agent's threads may call any method at any time; each is done once (a second call
-    does nothing), :meth:`close` at any point stops everything.
+    ``on_first_connection`` runs once, in a thread of its own, while the holder goes on accepting; it is
+    expected to call :meth:`release`, restore the job, then :meth:`relay`. If it raises, that is logged
+    and the held clients wait: the caller should then :meth:`close` (they see a closed connection).
+    Each relayed connection costs two threads until it ends; past ``max_held`` connections waiting at
+    once, a new one is closed at once.
+
+    Thread-safe: the agent's threads may call any method at any time; :meth:`start`, :meth:`release` and
+    :meth:`close` are done once (a second call does nothing), :meth:`close` at any point stops everything.
     """
 
     def __init__(
@@ -116,6 +122,9 @@ class PortHolder:
 
     def start(self) -> None:
         """Listen on every address; raises UsageError (naming the address) if one cannot be bound."""
+        with self._lock:
+            if self._listeners or self._released:
+                return
         listeners = []
         try:
             for address in self.addresses:
@@ -125,7 +134,7 @@ class PortHolder:
                 listener.close()
             raise
         with self._lock:
-            if self._listeners or self._closed:
+            if self._listeners or self._released:
                 for listener in listeners:
                     listener.close()
                 return
@@ -190,10 +199,13 @@ class PortHolder:
             self._released = True
             listeners, self._listeners = self._listeners, []
         self._stop_acceptor()
-        if self._gate_wanted:
-            self._gate = _Gate.install(self.addresses)
+        gate = _Gate.install(self.addresses) if self._gate_wanted else None
+        with self._lock:
+            if not self._closed:
+                self._gate, gate = gate, None
+        if gate is not None:  # closed meanwhile: close() found no gate to lift
+            gate.remove()
         for listener in listeners:
-            listener.setblocking(False)
             while self._take(listener):
                 pass
             listener.close()
@@ -212,14 +224,16 @@ class PortHolder:
         Each one is connected to the address its client reached, and bytes are pumped both ways (what the
         client sent meanwhile first) until both sides end; an end of one side is passed on as a half-close.
         Those whose address the job does not listen on in time are closed: their clients see a closed
-        connection, not a hang. Releases first if :meth:`release` was not called.
+        connection, not a hang. It waits for every held address, the clients' and the job's own (the gate
+        stays until then), so a job whose restore failed is better told with ``relay(0)``, or
+        :meth:`close`. Releases first if :meth:`release` was not called.
         """
         self.release()
         started = time.monotonic()
         deadline = started + timeout_s
         with self._lock:
             held, self._held = self._held, []
-        waiting = {_local(connection) for connection in held}
+        waiting = {_local(connection) for connection in held} | set(self.addresses)
         ready: set[TcpAddress] = set()
         while waiting - ready and time.monotonic() < deadline and not self._closed:
             ready |= {address for address in waiting - ready if _listening_for(address)}
@@ -230,12 +244,11 @@ class PortHolder:
         for connection in held:
             target = _local(connection)
             upstream = _connect(target, deadline) if target in ready and not self._closed else None
-            if upstream is None:
+            if upstream is not None and self._pump(connection, upstream):
+                relayed += 1
+            else:
                 connection.close()
                 dropped += 1
-                continue
-            self._pump(connection, upstream)
-            relayed += 1
         self._lift_gate()  # after: the held clients' connections to the job pass it, marked
         missing = tuple(sorted(waiting - ready))
         if dropped:
@@ -247,8 +260,15 @@ class PortHolder:
             )
         return RelayReport(relayed=relayed, dropped=dropped, waited_s=waited, not_listening=missing)
 
-    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> bool:
+        """Relay ``client`` to ``upstream`` until both end; False if closed meanwhile (nothing started).
+
+        Two threads, one each way: neither waits on a side the other should be reading.
+        """
         with self._lock:
+            if self._closed:
+                upstream.close()
+                return False
             self._relayed.update((client, upstream))
         ends = [2]
 
@@ -274,6 +294,7 @@ class PortHolder:
             threading.Thread(
                 target=one_way, args=(source, sink), name="torpor-wake-relay", daemon=True
             ).start()
+        return True
 
     # -- stopping --------------------------------------------------------------------------------------
 
@@ -337,6 +358,8 @@ def _listen(address: TcpAddress) -> socket.socket:
             listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         listener.bind(address)
         listener.listen(socket.SOMAXCONN)
+        # a client gone between select() and accept() must not block the holder's thread in accept()
+        listener.setblocking(False)
     except OSError as exc:
         listener.close()
         raise UsageError(
