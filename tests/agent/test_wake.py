@@ -20,6 +20,7 @@ asserted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -441,3 +442,78 @@ def test_a_hibernated_http_server_is_woken_by_curl(torpor: Torpor, site: Path, t
         f"\nwake: curl's first byte after {first_byte:.3f} s; the restore took {restore[0]:.3f} s "
         f"of the {restore[1]:.3f} s that `torpor resume` ran"
     )
+
+
+def test_a_wake_on_port_held_by_another_process_is_refused() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        name = Path("/proc/self/comm").read_text().strip()
+        refusal = rf"port {port} is in use by process {os.getpid()} \({name}, on 127.0.0.1:{port}\)"
+        for host in (None, "127.0.0.1", "0.0.0.0"):
+            with pytest.raises(UsageError, match=refusal):
+                wake.check_port(port, [os.getpid() + 1], host)
+        wake.check_port(port, [os.getpid()])  # the job's own listener
+        wake.check_port(port, [], "127.0.0.2")  # another address of that port
+        wake.check_port(free_port(), [])
+
+
+# -- every kind of address, bytes both ways ---------------------------------------------------------------
+
+
+class EchoJob:
+    """A job that listens as a real server does (SO_REUSEADDR) and answers each connection with what it
+    read, upper-cased, once its client ends its side; in a thread of this test."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+        self.listener: socket.socket | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET
+        self.listener = socket.create_server(
+            self.address, family=family, reuse_port=False, dualstack_ipv6=False
+        )
+        self.thread = threading.Thread(target=self._serve, args=(self.listener,), daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _serve(listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed by stop()
+            while True:
+                connection, _ = listener.accept()
+                with connection:
+                    data = b""
+                    while chunk := connection.recv(65536):
+                        data += chunk
+                    connection.sendall(data.upper())
+
+    def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.shutdown(socket.SHUT_RDWR)
+            self.listener.close()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1"])
+def test_bytes_are_relayed_both_ways_on_every_kind_of_address(host: str) -> None:
+    if ":" in host and not ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    port = free_port()
+    job = EchoJob((host, port))
+    waker = Waker(job.start)
+    payload = os.urandom(300_000).hex().encode()  # more than one socket buffer each way
+    try:
+        with holding([(host, port)], waker):
+            client = socket.create_connection(("::1" if ":" in host else "127.0.0.1", port), timeout=30)
+            with client:
+                client.sendall(payload)
+                client.shutdown(socket.SHUT_WR)  # passed on: the job answers once it reads the end
+                answer = b""
+                while chunk := client.recv(65536):
+                    answer += chunk
+            assert waker.wait().relayed == 1
+        assert answer == payload.upper()
+    finally:
+        job.stop()

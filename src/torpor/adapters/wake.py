@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from torpor.adapters.system import TcpAddress, is_listening
+from torpor.adapters.system import Listener, TcpAddress, is_listening, port_listeners
 from torpor.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -334,6 +334,32 @@ class PortHolder:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def check_port(port: int, job_pids: Iterable[int], host: str | None = None) -> None:
+    """Refuse a wake-on ``port`` that another process than the job listens on (UsageError, naming it).
+
+    For when the policy is set, not when the job is hibernated: the job itself may listen on it (then its
+    pids are ``job_pids``). With ``host`` (the job's address, if known), a listener on another specific
+    address of that port does not conflict (it would not stop the holder from binding ``host``).
+    """
+    own = set(job_pids)
+    for listener in port_listeners(port):
+        if listener.pid not in own and (host is None or _overlap(listener, host)):
+            raise UsageError(
+                f"port {port} is in use by process {listener.pid} ({listener.name}, on {listener.address}): "
+                "a job cannot be woken on it"
+            )
+
+
+def _overlap(listener: Listener, host: str) -> bool:
+    """Whether binding ``host`` on the listener's port would collide with it."""
+    theirs, ours = ipaddress.ip_address(listener.address.host), ipaddress.ip_address(host)
+    if theirs == ours or (theirs.is_unspecified and ours.is_unspecified):
+        return True
+    wildcard, specific = (theirs, ours) if theirs.is_unspecified else (ours, theirs)
+    # :: (dual-stack) takes every address; 0.0.0.0 every IPv4 one
+    return wildcard.is_unspecified and (wildcard.version == 6 or specific.version == 4)
 
 
 def _address(given: tuple[str, int]) -> TcpAddress:
