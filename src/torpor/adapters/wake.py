@@ -418,6 +418,9 @@ def _connect(target: TcpAddress, deadline: float) -> socket.socket | None:
         try:
             with contextlib.suppress(OSError):  # not root: no mark, but no gate to pass either
                 upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, RELAY_MARK)
+            # from the address the client reached, not 127.0.0.1: a remote client relayed by the agent must
+            # not look like a local one to the job (the job sees this address, not the client's)
+            upstream.bind((target.host, 0))
             upstream.settimeout(max(0.05, deadline - time.monotonic()))
             upstream.connect(target)
             upstream.settimeout(None)
