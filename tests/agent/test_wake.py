@@ -10,6 +10,8 @@
 - The server binds its port again while held connections are open because both sides set SO_REUSEADDR; a
   server that does not set it cannot (why the holder sets it, and why CRIU's restore, which sets it, can).
 - A job that never comes back: the held clients are closed within the relay's timeout, not left hanging.
+- ``check_port`` refuses a wake-on port another process listens on, naming it, and not the job's own.
+- Bytes both ways, more than a socket buffer each, and a half-close passed on, on 127.0.0.1 and ::1.
 - The gap between release and the job listening: a new client is refused, or, with the nftables gate,
   its SYN is dropped and its retransmission reaches the job; the gate is removed after, and a stale one
   (its holder's process gone) by ``remove_stale_gates``.

@@ -30,8 +30,13 @@ path (an ``nft`` run costs 10-150 ms here, more the more tables the machine has)
 one left by an agent killed meanwhile is removed by :func:`remove_stale_gates` (its PID is gone). Without
 ``nft``, or if it fails, the gap stays (logged), and nothing else changes.
 
+The job sees a relayed connection come from the address its client reached (the agent connects from it),
+not from the client's own address: a remote client of a job listening on 0.0.0.0 never looks local, but
+the job's logs and address-based rules see the machine's address for the connections held while it slept.
+
 What it leaves to others: when to hold a port and resuming the job (the agent, through the callback), and
-finding the addresses a job listened on (:func:`torpor.adapters.system.listening_sockets`).
+finding the addresses a job listened on (:func:`torpor.adapters.system.listening_sockets`); whether a
+wake-on port is free when the policy is set is :func:`check_port`'s.
 """
 
 from __future__ import annotations
