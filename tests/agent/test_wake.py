@@ -15,7 +15,9 @@
 - The gap between release and the job listening: a new client is refused, or, with the nftables gate,
   its SYN is dropped and its retransmission reaches the job; the gate is removed after, and a stale one
   (its holder's process gone) by ``remove_stale_gates``.
-- Real CRIU: a hibernated http.server job woken by curl through the holder, restored by ``torpor resume``.
+- Real CRIU: a hibernated http.server job woken by curl through the holder, restored by ``torpor resume``
+  (with and without the gate); a job whose listener has no SO_REUSEADDR is restored, and binds its port,
+  while a connection is held on it (CRIU sets the option for the bind), and answers what was sent meanwhile.
 
 First-byte latencies are printed (``-s``) beside the server's start (or restore) time, to report; never
 asserted.
@@ -526,3 +528,48 @@ def test_bytes_are_relayed_both_ways_on_every_kind_of_address(host: str) -> None
         assert answer == payload.upper()
     finally:
         job.stop()
+
+
+NO_REUSE_JOB = """
+import socket, sys
+listener = socket.socket()  # no SO_REUSEADDR: a fresh bind would fail while the agent holds connections
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen()
+print("listening", flush=True)
+while True:
+    connection, _ = listener.accept()
+    data = b""
+    while not data.endswith(b"\\n") and (chunk := connection.recv(100)):
+        data += chunk
+    connection.sendall(b"echo " + data)
+    connection.close()
+"""
+
+
+@pytest.mark.criu
+def test_a_restored_job_binds_its_port_while_connections_are_held_without_so_reuseaddr(
+    torpor: Torpor,
+) -> None:
+    port = free_port()
+    torpor.run("run", "--name", "plain", "--", sys.executable, "-u", "-c", NO_REUSE_JOB, str(port))
+    torpor.wait_log("plain", "listening")
+    members = system.namespace_members(int(torpor.job("plain")["pid"]))
+    addresses = system.listening_sockets(members)
+    assert addresses == [TcpAddress("127.0.0.1", port)]
+    torpor.run("hibernate", "plain")
+
+    def resume() -> None:
+        torpor.run("resume", "plain")
+
+    waker = Waker(resume)
+    with holding(addresses, waker):
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        with client:
+            client.sendall(b"ping\n")  # before the job is back: it waits in the held connection
+            answer = b""
+            while chunk := client.recv(100):
+                answer += chunk
+        report = waker.wait()
+    # CRIU sets SO_REUSEADDR on the socket it restores before binding it (and puts the job's 0 back after)
+    assert answer == b"echo ping\n"
+    assert report.relayed == 1
