@@ -186,6 +186,12 @@ class PortHolder:
             threading.Thread(target=self._wake, name="torpor-wake-callback", daemon=True).start()
         return True
 
+    @property
+    def relaying(self) -> int:
+        """How many relayed connections are still open (each pair counted once)."""
+        with self._lock:
+            return len(self._relayed) // 2
+
     def _wake(self) -> None:
         try:
             self._on_first_connection()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from torpor.adapters import wake
 from torpor.apps.agent import care
 from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
@@ -153,7 +154,7 @@ def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
     if problems:
         raise UsageError("; ".join(problems))
     for port in policy.wake_on:
-        care.check_free_port(port)
+        wake.check_port(port, [])
     return policy
 
 
