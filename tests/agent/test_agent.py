@@ -183,6 +183,8 @@ def test_a_drain_saves_the_most_valuable_first_refuses_new_jobs_and_survives_a_f
         assert torpor.job(name)["state"] == "hibernated"
     refused = torpor.run("run", "--name", "new", *python_job("counter.py"), check=False)
     assert refused.returncode == 2 and "being evacuated (maintenance)" in refused.stderr
+    time.sleep(2)  # ten rounds: the job it could not save is not tried again at each
+    assert [e["action"] for e in agent.events()].count("evacuate") == 1
     cancelled = torpor.run("drain", "--cancel")
     assert "resuming" in cancelled.stdout
     for name in ("high", "low"):
@@ -317,3 +319,16 @@ def _get(url: str) -> str | None:
         return httpx.get(url, timeout=5).text
     except httpx.TransportError:
         return None
+
+
+def test_a_periodic_checkpoint_that_fails_is_tried_again_after_an_interval_not_every_round(
+    torpor: Torpor, agent: AgentProcess
+) -> None:
+    agent.start()
+    torpor.run("run", "--name", "ring", "--checkpoint-every", "3s", *python_job("io_uring_job.py", "fd"))
+    failed = agent.wait_event("checkpoint", "ring", timeout=30)
+    assert "io_uring" in failed["detail"]["error"]
+    time.sleep(4)  # twenty rounds
+    tries = [e for e in agent.events("ring") if e["action"] == "checkpoint"]
+    assert 1 <= len(tries) <= 3, [e["at"] for e in tries]
+    assert torpor.job("ring")["state"] == "running"

@@ -288,7 +288,7 @@ def _embedded(settings: Settings, work: Callable[[Agent], Any]) -> Any:
     try:
         return work(agent)
     finally:
-        agent.close()
+        agent.close(finish=True)  # the resumes a cancelled drain queued are this command's to finish
 
 
 def print_report(report: dict[str, Any]) -> None:

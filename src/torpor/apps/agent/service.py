@@ -109,6 +109,10 @@ class Agent:
         self._samples: dict[tuple[JobName, int | None], list[idle.Sample]] = {}
         self._actions = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torpor-agent-action")
         self._evacuating = threading.Lock()
+        #: jobs an evacuation of this agent tried and could not save: not tried again each round
+        self._evacuation_tried: set[JobName] = set()
+        #: when the agent last tried to checkpoint each job (a failed try waits an interval, as a success)
+        self._tried_at: dict[JobName, float] = {}
         self.last_evacuation: EvacuationReport | None = None
         #: called each round with the jobs as read (the wake-on-connect keeper hooks in here)
         self.round_hooks: list[Callable[[list[Job], dict[JobName, Care]], None]] = []
@@ -138,9 +142,12 @@ class Agent:
             if job.state == JobState.HIBERNATED and care.hibernated_by == draining["by"]:
                 self.submit(job.name, "resume", f"hibernated at the {draining['by']}: back", self._resume)
 
-    def close(self) -> None:
+    def close(self, finish: bool = False) -> None:
+        """Stop acting: the action under way ends first; with ``finish``, those queued too (else dropped)."""
+        if not finish:
+            self.stopping.set()
+        self._actions.shutdown(wait=True, cancel_futures=not finish)
         self.stopping.set()
-        self._actions.shutdown(wait=True, cancel_futures=True)
         os.close(self._lock_fd)
 
     # -- the round -------------------------------------------------------------------------------------
@@ -170,7 +177,8 @@ class Agent:
         for hook in self.round_hooks:
             hook(jobs, cares)
         draining = self.draining()
-        if draining and not self._evacuating.locked() and any(j.state == JobState.RUNNING for j in jobs):
+        left = [j for j in jobs if j.state == JobState.RUNNING and j.name not in self._evacuation_tried]
+        if draining and left and not self._evacuating.locked():
             # an agent killed mid-evacuation, or a job that became running since: the node is draining
             threading.Thread(
                 target=self.evacuate, args=(draining["why"], draining["by"]), daemon=True
@@ -185,20 +193,19 @@ class Agent:
             samples[:] = idle.trim(samples, policy.idle_after_s, now)
             if idle.is_idle(samples, policy.idle_after_s, now):
                 reason = f"idle: no CPU used for {format_duration(policy.idle_after_s)}"
+                samples.clear()  # a hibernation that fails is tried again after a whole window, not at once
                 self.submit(job.name, "hibernate", reason, self._hibernate_idle)
                 return
         if policy.checkpoint_every_s is not None:
             freezes = [c.freeze_s for c in self.records.checkpoints(job.name)]
             latest = self.records.latest_checkpoint(job.name)
             running_since = job.started_at or job.created_at
+            tried = [t for t in (latest.created_at if latest else None, self._tried_at.get(job.name)) if t]
             due = periodic.next_due(
-                policy.checkpoint_every_s,
-                policy.budget,
-                freezes,
-                latest.created_at if latest else None,
-                running_since,
+                policy.checkpoint_every_s, policy.budget, freezes, max(tried, default=None), running_since
             )
             if now >= due:
+                self._tried_at[job.name] = now
                 interval = periodic.interval(policy.checkpoint_every_s, policy.budget, freezes)
                 stretched = (
                     f" (stretched to {format_duration(round(interval))} for the {policy.budget:.0%} budget)"
@@ -335,10 +342,12 @@ class Agent:
                     report.saved[name] = future.result()
                     outcomes.append(evacuation.Outcome(name, True, report.saved[name]["at"]))
                 except TorporError as exc:
+                    self._evacuation_tried.add(JobName(name))
                     report.failed[name] = exc.message
                     outcomes.append(evacuation.Outcome(name, False, time.time(), exc.message))
                 except Exception as exc:
                     log.exception("evacuating %s failed", name)
+                    self._evacuation_tried.add(JobName(name))
                     report.failed[name] = f"{type(exc).__name__}: {exc}"
                     outcomes.append(evacuation.Outcome(name, False, time.time(), report.failed[name]))
             report.finished_at = time.time()
