@@ -302,6 +302,11 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     assert hibernated["reason"].startswith("idle") and "error" not in hibernated["detail"]
     assert torpor.job("web")["state"] == "hibernated"
     agent.wait_for(lambda: f"holding 127.0.0.1:{port}" in agent.log(), 30, "the agent to hold the port")
+    agent.kill()  # a new agent holds the port again, from what the records say
+    agent.start()
+    agent.wait_for(
+        lambda: agent.log().count(f"holding 127.0.0.1:{port}") == 2, 30, "the new agent to hold it"
+    )
     curl = subprocess.run(
         ["curl", "-sS", "--max-time", "60", url], capture_output=True, text=True, timeout=90
     )
@@ -332,3 +337,27 @@ def test_a_periodic_checkpoint_that_fails_is_tried_again_after_an_interval_not_e
     tries = [e for e in agent.events("ring") if e["action"] == "checkpoint"]
     assert 1 <= len(tries) <= 3, [e["at"] for e in tries]
     assert torpor.job("ring")["state"] == "running"
+
+
+def test_a_person_resuming_a_job_whose_ports_the_agent_holds_gets_it_back_listening(
+    torpor: Torpor, agent: AgentProcess, tmp_path: Path
+) -> None:
+    port = free_port()
+    server = [
+        "--",
+        sys.executable,
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(tmp_path),
+        str(port),
+    ]
+    torpor.run("run", "--name", "web", "--idle-after", "2s", "--wake-on", str(port), *server)
+    agent.start("--round", "4s")  # (the last --round wins) no round comes to let go of the port in time
+    agent.wait_event("hibernate", "web", timeout=60)
+    agent.wait_for(lambda: f"holding 127.0.0.1:{port}" in agent.log(), 30, "the agent to hold the port")
+    torpor.run("resume", "web")  # through the agent, which lets go of the port first
+    assert torpor.job("web")["state"] == "running"
+    assert _get(f"http://127.0.0.1:{port}/") is not None

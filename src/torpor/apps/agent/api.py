@@ -169,6 +169,8 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         """Restore a job from its latest checkpoint or the one given; with ``lazy``, until all is in."""
 
         def work(progress: Progress, warn: Progress) -> dict[str, Any]:
+            for hook in agent.before_restore:
+                hook(records.job(name).name)
             job, taken, seconds = engine.restore(
                 name,
                 body.checkpoint,

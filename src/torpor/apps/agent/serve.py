@@ -146,6 +146,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
     rounds = threading.Thread(target=agent.loop, name="torpor-agent-rounds", daemon=True)
     keeper = WakeKeeper(agent)
     agent.round_hooks.append(keeper)
+    agent.before_restore.append(keeper.let_go)
     watcher = None
     try:
         agent.adopt()

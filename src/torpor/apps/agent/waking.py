@@ -116,6 +116,13 @@ class WakeKeeper:
                 del self._holders[name]
             self._retired.append(holder)
 
+    def let_go(self, name: JobName) -> None:
+        """Stop holding ``name``'s ports now: someone else restores it, and its sockets need them."""
+        with self._lock:
+            holder = self._holders.pop(name, None)
+        if holder is not None:
+            holder.close()
+
     def close(self) -> None:
         with self._lock:
             holders = [*self._holders.values(), *self._retired]
