@@ -1,9 +1,12 @@
 """A deterministic CPU PyTorch training loop: fixed seeds, one thread, prints every step's exact loss.
 
-usage: train.py STEPS [SLEEP_S]   — an uninterrupted run and a checkpointed/restored one must print the
-same ``step N loss X`` lines (X is float.hex, so equality is bit-for-bit).
+usage: train.py STEPS [SLEEP_S [GATE_STEP GATE_FILE]]   — an uninterrupted run and a checkpointed/restored
+one must print the same ``step N loss X`` lines (X is float.hex, so equality is bit-for-bit). With a gate,
+the job waits before step GATE_STEP until GATE_FILE exists: a test can stop it mid-run however slow the
+machine is, and the job it resumes goes on once the test made the file.
 """
 
+import os
 import sys
 import time
 
@@ -18,7 +21,10 @@ targets = torch.randn(512, 1)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 generator = torch.Generator().manual_seed(99)
+gate_step, gate_file = (int(sys.argv[3]), sys.argv[4]) if len(sys.argv) > 4 else (None, "")
 for step in range(steps):
+    while step == gate_step and not os.path.exists(gate_file):
+        time.sleep(0.05)
     batch = torch.randint(0, inputs.shape[0], (64,), generator=generator)
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch])
