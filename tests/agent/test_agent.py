@@ -109,6 +109,11 @@ def test_periodic_checkpoints_are_stretched_to_the_budget_and_only_the_newest_ke
     for before, after in itertools.pairwise(checkpoints):
         assert after["at"] - before["at"] >= 0.9 * before["detail"]["freeze_s"] / 0.10
     assert len(torpor.json("checkpoints", "c")) == 2  # --keep 2
+    durable = agent.wait_event("durable", "c", timeout=60)  # how long each took to reach the cold tier
+    assert (
+        0 < durable["detail"]["durable_s"] < 60
+        and durable["detail"]["checkpoint"] == checkpoints[0]["detail"]["checkpoint"]
+    )
 
 
 def test_an_idle_job_is_hibernated_and_a_busy_one_is_not(torpor: Torpor, agent: AgentProcess) -> None:

@@ -224,6 +224,8 @@ def _event_line(event: Event) -> str:
         costs.append(f"freed {human_bytes(int(str(detail['freed_bytes'])))}")
     if "restore_s" in detail:
         costs.append(f"restored in {float(str(detail['restore_s'])):.2f} s")
+    if "durable_s" in detail:
+        costs.append(f"durable {float(str(detail['durable_s'])):.2f} s after the dump")
     if "overhead" in detail:
         costs.append(f"overhead {float(str(detail['overhead'])):.2%}")
     if "error" in detail:

@@ -262,12 +262,34 @@ class Agent:
 
     def _checkpoint(self, name: JobName) -> dict[str, Any]:
         checkpoint = self.engine.checkpoint(name, warn=lambda text: log.warning("%s: %s", name, text))
+        self._watch_durable(checkpoint)
         job = self.records.job(name)
         running_s = time.time() - (job.started_at or job.created_at)
         freezes = [
             c.freeze_s for c in self.records.checkpoints(name) if c.created_at >= (job.started_at or 0)
         ]
         return {**_costs(checkpoint), "overhead": periodic.overhead(freezes, running_s)}
+
+    def _watch_durable(self, checkpoint: Checkpoint) -> None:
+        """Record when ``checkpoint`` is durable (a ``durable`` event with its time from the dump), aside."""
+
+        def watch() -> None:
+            try:
+                image = self.engine.wait_durable(checkpoint.id)
+            except TorporError as exc:
+                self.event(checkpoint.job, "durable", f"checkpoint {checkpoint.id}", error=exc.message)
+                return
+            took = time.time() - checkpoint.created_at
+            self.event(
+                checkpoint.job,
+                "durable",
+                f"checkpoint {checkpoint.id}",
+                checkpoint=checkpoint.id,
+                durable_s=took,
+                stored_bytes=image.stored_bytes,
+            )
+
+        threading.Thread(target=watch, name="torpor-agent-durable", daemon=True).start()
 
     def hibernate(self, name: JobName, by: str, listened: tuple[tuple[str, int], ...] = ()) -> Checkpoint:
         """Hibernate ``name`` and note why (``by``), so that the agent knows what to bring back when."""
@@ -284,6 +306,7 @@ class Agent:
         freed = system.resident_bytes(pids)
         listened = wake_addresses(pids, policy.wake_on)
         checkpoint = self.hibernate(name, "idle", listened)
+        self._watch_durable(checkpoint)
         return {**_costs(checkpoint), "freed_bytes": freed}
 
     def _resume(self, name: JobName) -> dict[str, Any]:
@@ -456,7 +479,17 @@ class Agent:
 #: states a job passes through (a checkpoint, a restore under way): an evacuation waits for them to end
 _PASSING = frozenset({JobState.STARTING, JobState.CHECKPOINTING, JobState.RESTORING})
 
-_SHOWN = ("freeze_s", "size_bytes", "total_s", "freed_bytes", "restore_s", "overhead", "error", "deadline_s")
+_SHOWN = (
+    "durable_s",
+    "freeze_s",
+    "size_bytes",
+    "total_s",
+    "freed_bytes",
+    "restore_s",
+    "overhead",
+    "error",
+    "deadline_s",
+)
 
 
 def _short(value: object) -> str:
