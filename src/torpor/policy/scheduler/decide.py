@@ -1,0 +1,339 @@
+"""One round of the memory-first scheduler: a snapshot in, the actions that keep the node safe and busy out.
+
+The rules, in the order :func:`decide` applies them (each is the spec; the tests check each):
+
+1. **The memory guard comes first.** When the node is about to run out of memory — MemAvailable below
+   ``Rules.guard_available``, or PSI "full" avg10 above ``Rules.guard_psi_full`` — the guard hibernates
+   running jobs until MemAvailable would be back at ``Rules.calm_available`` (counting what jobs already
+   being hibernated will free; with only PSI to go by, one job per round), chosen by the victim order of
+   :mod:`~torpor.policy.scheduler.victims` with growth past the request as the first tier. If even all
+   of them would not reach it, all are hibernated: a checkpoint is better than the OOM killer. In such a
+   round nothing starts or resumes.
+2. **Limits rise before jobs die.** A running job whose cgroup usage reaches ``Rules.near_limit`` of its
+   limit gets the limit raised (by ``Rules.raise_share`` of it, at least ``Rules.raise_min``) when the
+   budget has that much room; the raise is taken from the room this round (nothing else starts in it).
+   Without room the job is hibernated (cause guard) instead of being OOM-killed by its cgroup.
+3. **Admission.** A job *holds* memory while it is starting, running or hibernating; each holding job is
+   charged its request, or its usage if it grew past it. A queued job starts (a hibernated one resumes)
+   only when its charge fits in the budget less what the holding jobs are charged, and its project stays
+   within its share plus its borrowing limit. Memory that jobs being hibernated will free is *promised*:
+   a job it is enough for waits for it (and nobody else takes it). So after the actions, the requests
+   (and charges) of holding jobs never exceed the budget.
+4. **Order and aging.** Candidates — queued jobs and jobs the scheduler hibernated (preempted, reclaimed,
+   guard; never those a user hibernated) — are taken by *effective priority*: priority + one level per
+   ``Rules.aging_s`` seconds waited (since submit for a queued job, since hibernation for a hibernated
+   one), then the longest waiting, then the name. With quotas, candidates within their project's share
+   go before those that would borrow (a guarantee is a guarantee), each group in that order.
+   The first candidate that can neither start nor make room *holds* the room there is: no later
+   candidate starts in it (it can still make room of its own by preemption). So a big job is not starved
+   by small ones, and aging makes every waiting job the first in line in bounded time.
+5. **Reclaim, then preemption.** A candidate that does not fit may make room by hibernating running jobs,
+   chosen by :func:`~torpor.policy.scheduler.victims.choose`, only if they free enough (else none):
+
+   - *reclaim*: a candidate within its project's share may hibernate another project's borrowed work —
+     its running jobs beyond that project's share (the first ones in victim order, as many as it is
+     over by), whatever their priority. These go first;
+   - *preemption*: any candidate may hibernate running jobs of strictly lower (base) priority of its own
+     project, and the borrowed work of other projects of strictly lower priority. Never a job of equal or
+     higher priority, never another project's work within its share.
+
+   The candidate waits until they are hibernated (rule 3's promise) and starts in a later round.
+6. **A guard victim comes back with hysteresis**: only when PSI full avg10 is at most
+   ``Rules.calm_psi_full`` and MemAvailable, less its usage, stays at least ``Rules.calm_available``
+   (the guard acted below ``guard_available``), so the node does not flap between the two.
+
+Every candidate that does not start gets a :class:`~torpor.policy.scheduler.actions.Wait` that says why.
+Actions never kill. The decision is deterministic: the same snapshot gives the same actions.
+
+Cost: one sort of the candidates and one of the running jobs; a candidate that fails to find victims is
+remembered by (project, priority, within-share) with the room it lacked, so that the thousands of queued
+jobs behind it are answered in constant time each.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from torpor.policy.scheduler import victims
+from torpor.policy.scheduler.actions import Action, Hibernate, RaiseLimit, Resume, Start, Wait
+from torpor.policy.scheduler.sizes import format_size
+from torpor.policy.scheduler.snapshot import AUTO_RESUME, Cause, Job, Rules, Snapshot, State
+
+HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
+
+
+def effective_priority(job: Job, now: float, rules: Rules) -> float:
+    """``job``'s priority plus one level per ``rules.aging_s`` seconds it has waited (rule 4)."""
+    return job.priority + max(0.0, now - waiting_since(job)) / rules.aging_s
+
+
+def waiting_since(job: Job) -> float:
+    """When ``job`` began to wait: its hibernation, or its submission."""
+    if job.state is State.HIBERNATED and job.hibernated_at is not None:
+        return job.hibernated_at
+    return job.submitted_at
+
+
+def _charge(job: Job) -> int:
+    return job.charge
+
+
+def _usage(job: Job) -> int:
+    return job.usage
+
+
+@dataclass
+class _Round:
+    """The running totals of one decision; every rule reads and updates them."""
+
+    snapshot: Snapshot
+    rules: Rules
+    #: budget less the charges of holding jobs (negative when jobs grew past it)
+    free: int = 0
+    #: what jobs being hibernated will free, not yet promised to anyone
+    pending: int = 0
+    #: per pool: requests of the jobs that start, run or will start (quota use)
+    use: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: per pool: requests of the jobs that were starting or running and are not hibernated now (what
+    #: tells borrowed work: this round's starts are not victims, so they do not count)
+    held_use: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: charges of this round's starts and resumes (they lower MemAvailable once they run)
+    started: int = 0
+    running: dict[str, Job] = field(default_factory=dict)
+    hibernations: list[Action] = field(default_factory=list)
+    raises: list[Action] = field(default_factory=list)
+    starts: list[Action] = field(default_factory=list)
+    waits: list[Action] = field(default_factory=list)
+    #: (pool, priority, within share) → the most room a failed victim search still lacked less than
+    failed: dict[tuple[str, int, bool], int] = field(default_factory=dict)
+    #: the candidate holding the room (rule 4), once there is one
+    holder: str | None = None
+
+    @property
+    def quotas(self) -> bool:
+        return bool(self.snapshot.projects)
+
+    def pool(self, job: Job) -> str:
+        return job.project if self.quotas else ""
+
+    def share(self, pool: str) -> int:
+        project = self.snapshot.projects.get(pool)
+        if not self.quotas:
+            return self.snapshot.budget
+        return project.share if project is not None else 0
+
+    def borrow_limit(self, pool: str) -> int | None:
+        project = self.snapshot.projects.get(pool)
+        return project.borrow_limit if project is not None else None
+
+    def claim(self, need: int) -> None:
+        """Promise ``need`` bytes (at most free + pending) to a waiting job: pending room first, so that
+        free room stays free for jobs that can start now."""
+        if self.free < 0:  # jobs grew past the budget: what is freed covers that first
+            self.pending += self.free
+            self.free = 0
+        take = min(self.pending, need)
+        self.pending -= take
+        self.free -= need - take
+
+    def hibernate(self, job: Job, cause: Cause, reason: str, for_job: str | None = None) -> None:
+        """Record a hibernation: the job stops counting against its quota, its memory is pending."""
+        del self.running[job.name]
+        self.use[self.pool(job)] -= job.request
+        self.held_use[self.pool(job)] -= job.request
+        self.pending += job.charge  # still held until it is hibernated: promised room, not free room
+        self.hibernations.append(Hibernate(job.name, cause, reason, for_job))
+
+
+def decide(snapshot: Snapshot, rules: Rules | None = None) -> tuple[Action, ...]:
+    """The actions for this round, in the order to execute them (see the module's docstring)."""
+    rules = rules or Rules()
+    r = _Round(snapshot, rules)
+    r.free = snapshot.budget
+    candidates: list[Job] = []
+    for job in snapshot.jobs:
+        if job.state in HOLDING:
+            r.free -= job.charge
+            if job.state is State.HIBERNATING:
+                r.pending += job.charge
+            else:
+                r.use[r.pool(job)] += job.request
+                r.held_use[r.pool(job)] += job.request
+                if job.state is State.RUNNING:
+                    r.running[job.name] = job
+        elif job.state is State.QUEUED or (
+            job.state is State.HIBERNATED and job.hibernated_by in AUTO_RESUME
+        ):
+            candidates.append(job)
+    alarm = _guard(r)
+    if not alarm:
+        _limits(r)
+    _admit(r, candidates, alarm)
+    return (*r.hibernations, *r.raises, *r.starts, *r.waits)
+
+
+def _guard(r: _Round) -> str | None:
+    """Rule 1: why the node is short of memory (and the victims hibernated), or None when it is not."""
+    rules, pressure = r.rules, r.snapshot.pressure
+    available = pressure.mem_available
+    alarm = None
+    if available is not None and available < rules.guard_available:
+        alarm = f"MemAvailable {format_size(available)} < {format_size(rules.guard_available)}"
+    elif pressure.psi_full_avg10 is not None and pressure.psi_full_avg10 > rules.guard_psi_full:
+        alarm = f"PSI full avg10 {pressure.psi_full_avg10:g} > {rules.guard_psi_full:g}"
+    if alarm is None:
+        return None
+    in_flight = sum(j.usage for j in r.snapshot.jobs if j.state is State.HIBERNATING)
+    deficit = rules.calm_available - available if available is not None else 0
+    need = deficit - in_flight
+    if need <= 0 and in_flight:
+        return alarm  # what is being hibernated will do
+    ranked = victims.ordered(((0 if j.growth else 1, j) for j in r.running.values()), _usage)
+    chosen = victims.choose(ranked, max(need, 1), _usage) or ranked
+    for _, job in chosen:
+        r.hibernate(job, Cause.GUARD, f"memory guard: {alarm}")
+    return alarm
+
+
+def _limits(r: _Round) -> None:
+    """Rule 2: raise the limit of each running job near it, or hibernate it when there is no room."""
+    rules = r.rules
+    for job in sorted(r.running.values(), key=lambda j: j.name):
+        if job.limit is None or job.cgroup_usage is None or job.cgroup_usage < rules.near_limit * job.limit:
+            continue
+        step = max(int(job.limit * rules.raise_share), rules.raise_min)
+        if r.free >= step:
+            r.free -= step
+            r.raises.append(RaiseLimit(job.name, job.limit + step))
+        else:
+            r.hibernate(
+                job,
+                Cause.GUARD,
+                f"near its cgroup limit ({format_size(job.cgroup_usage)} of {format_size(job.limit)}) "
+                f"and the budget has no {format_size(step)} to raise it",
+            )
+
+
+def _admit(r: _Round, candidates: list[Job], alarm: str | None) -> None:
+    """Rules 3–6 for every candidate, in order."""
+    now, rules = r.snapshot.now, r.rules
+    candidates.sort(key=lambda j: (-effective_priority(j, now, rules), waiting_since(j), j.name))
+    if alarm is not None:
+        why = f"the node is short of memory ({alarm}): nothing starts until it is not"
+        r.waits.extend(Wait(job.name, why) for job in candidates)
+        return
+    ranked_running = victims.ordered(((0, j) for j in r.running.values()), _charge)
+    if r.quotas:
+        later: list[Job] = []
+        for job in candidates:
+            if r.use[job.project] + job.request <= r.share(job.project):
+                _admit_one(r, job, ranked_running, within=True)
+            else:
+                later.append(job)
+        for job in later:
+            within = r.use[job.project] + job.request <= r.share(job.project)
+            _admit_one(r, job, ranked_running, within=within)
+    else:
+        for job in candidates:
+            _admit_one(r, job, ranked_running, within=True)
+
+
+def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], within: bool) -> None:
+    pool = r.pool(job)
+    need = job.charge
+    limit = r.borrow_limit(pool)
+    if r.quotas and limit is not None and r.use[pool] + job.request > r.share(pool) + limit:
+        r.waits.append(
+            Wait(
+                job.name,
+                f"project {pool} would use {format_size(r.use[pool] + job.request)}, beyond its share "
+                f"{format_size(r.share(pool))} and borrowing limit {format_size(limit)}",
+            )
+        )
+        return
+    if job.state is State.HIBERNATED and job.hibernated_by is Cause.GUARD and not _calm(r, job):
+        r.waits.append(Wait(job.name, "hibernated by the memory guard: waits until memory is calm again"))
+        return
+    if need <= r.free:
+        r.free -= need
+        r.started += need
+        r.use[pool] += job.request
+        r.starts.append(Resume(job.name) if job.state is State.HIBERNATED else Start(job.name))
+        return
+    if need <= r.free + r.pending:
+        r.claim(need)
+        r.use[pool] += job.request
+        r.waits.append(Wait(job.name, "the room it needs is being freed (jobs are being hibernated)"))
+        return
+    lacking = need - (r.free + r.pending)
+    key = (pool, job.priority, within)
+    chosen = None
+    if not (key in r.failed and lacking >= r.failed[key]):
+        chosen = victims.choose(_victims_for(r, job, ranked_running, within), lacking, _charge)
+        if chosen is None:
+            r.failed[key] = min(lacking, r.failed.get(key, lacking))
+    if chosen is not None:
+        for tier, victim in chosen:
+            if tier == 0:
+                cause = Cause.RECLAIMED
+                reason = f"reclaimed for project {pool}: project {victim.project} is beyond its share"
+            else:
+                cause = Cause.PREEMPTED
+                reason = f"preempted by {job.name} (priority {job.priority} > {victim.priority})"
+            r.hibernate(victim, cause, reason, for_job=job.name)
+        r.claim(need)
+        r.use[pool] += job.request
+        names = ", ".join(v.name for _, v in chosen)
+        r.waits.append(Wait(job.name, f"making room: hibernating {names}"))
+        return
+    if r.holder is None:
+        r.holder = job.name
+        if r.free + r.pending > 0:
+            r.free, r.pending = 0, 0
+        room = r.snapshot.budget - sum(j.charge for j in r.running.values())
+        r.waits.append(
+            Wait(
+                job.name,
+                f"needs {format_size(need)}, {format_size(max(room, 0))} of the budget "
+                f"{format_size(r.snapshot.budget)} is not held, and no job of lower priority frees enough",
+            )
+        )
+    else:
+        r.waits.append(Wait(job.name, f"in line behind {r.holder}, which holds the free room"))
+
+
+def _victims_for(
+    r: _Round, job: Job, ranked_running: list[victims.Candidate], within: bool
+) -> list[victims.Candidate]:
+    """The running jobs ``job`` may hibernate (rule 5), tiered and in victim order."""
+    pool = r.pool(job)
+    use = r.held_use
+    over = {p: use[p] - r.share(p) for p in use if p != pool and use[p] > r.share(p)}
+    reclaim = r.quotas and within
+    first: list[victims.Candidate] = []
+    second: list[victims.Candidate] = []
+    for _, victim in ranked_running:
+        if victim.name not in r.running:
+            continue
+        vpool = r.pool(victim)
+        if vpool == pool:
+            if victim.priority < job.priority:
+                second.append((1, victim))
+        elif over.get(vpool, 0) > 0:
+            over[vpool] -= victim.request
+            if reclaim:
+                first.append((0, victim))
+            elif victim.priority < job.priority:
+                second.append((1, victim))
+    return first + second
+
+
+def _calm(r: _Round, job: Job) -> bool:
+    """Rule 6: whether a job the guard hibernated may come back now."""
+    pressure, rules = r.snapshot.pressure, r.rules
+    if pressure.psi_full_avg10 is not None and pressure.psi_full_avg10 > rules.calm_psi_full:
+        return False
+    if pressure.mem_available is None:
+        return True
+    return pressure.mem_available - r.started - job.charge >= rules.calm_available
