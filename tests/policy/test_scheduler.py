@@ -193,6 +193,29 @@ def test_a_higher_priority_job_preempts_the_least_valuable_and_waits_for_them() 
     )
 
 
+def test_the_room_victims_free_stays_promised_to_their_preemptor_even_over_the_room_holder() -> None:
+    jobs = (
+        job("victim", H, 4, room_for="urgent"),
+        job("aged", Q, 8, submitted_at=0),
+        job("urgent", Q, 4, priority=3, submitted_at=999),
+        job("runner", R, 6, priority=9),
+    )
+    actions = by_job(decide(node(*jobs, now=7200)))
+    assert "in line behind" not in actions["urgent"].why  # type: ignore[union-attr]
+    assert "being freed" in actions["urgent"].why  # type: ignore[union-attr]
+    assert not any(isinstance(a, Hibernate) for a in actions.values())
+
+
+def test_a_job_keeps_its_aging_credit_while_it_runs_and_lower_priorities_cannot_bump_it_again() -> None:
+    bumped = job("bumped", R, 6, priority=0, waited_s=3 * 600)
+    fresh = job("fresh", R, 4, priority=0)
+    # without the credit the larger (bumped) would be the victim: fewest victims
+    actions = decide(node(bumped, fresh, job("p2", Q, 4, priority=2, submitted_at=1000)))
+    assert [a.job for a in actions if isinstance(a, Hibernate)] == ["fresh"]
+    alone = decide(node(bumped, job("p2", Q, 6, priority=2, submitted_at=1000), budget=6))
+    assert not any(isinstance(a, Hibernate) for a in alone)
+
+
 def test_fewest_victims_among_equals_and_the_reprieve_drops_the_unneeded() -> None:
     jobs = (
         job("small", R, 1, priority=0),

@@ -33,11 +33,16 @@ The rules, in the order :func:`decide` applies them (each is the spec; the tests
    - *reclaim*: a candidate within its project's share may hibernate another project's borrowed work —
      its running jobs beyond that project's share (the first ones in victim order, as many as it is
      over by), whatever their priority. These go first;
-   - *preemption*: any candidate may hibernate running jobs of strictly lower (base) priority of its own
+   - *preemption*: any candidate may hibernate running jobs of strictly lower priority of its own
      project, and the borrowed work of other projects of strictly lower priority. Never a job of equal or
-     higher priority, never another project's work within its share.
+     higher priority, never another project's work within its share. A running job keeps the aging credit
+     of its earlier waits (``Job.waited_s``), and a victim's effective priority must also be below the
+     preemptor's: a job bumped again and again becomes safe from the lower priorities (no starvation by
+     preemption: after ``aging_s`` × (the priority gap) of waiting in all).
 
-   The candidate waits until they are hibernated (rule 3's promise) and starts in a later round.
+   The candidate waits until they are hibernated and starts in a later round: the agent marks each
+   victim's ``Job.room_for`` with the candidate, and the room those victims free stays promised to it
+   (nobody else, not even the candidate holding the room, takes it) while it waits.
 6. **A guard victim comes back with hysteresis**: only when PSI full avg10 is at most
    ``Rules.calm_psi_full`` and MemAvailable, less its usage, stays at least ``Rules.calm_available``
    (the guard acted below ``guard_available``), so the node does not flap between the two.
@@ -64,8 +69,12 @@ HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
 
 
 def effective_priority(job: Job, now: float, rules: Rules) -> float:
-    """``job``'s priority plus one level per ``rules.aging_s`` seconds it has waited (rule 4)."""
-    return job.priority + max(0.0, now - waiting_since(job)) / rules.aging_s
+    """``job``'s priority plus one level per ``rules.aging_s`` seconds it has waited in all (rule 4):
+    its earlier waits (``waited_s``) and, if it is waiting now, this one."""
+    waited = job.waited_s
+    if job.state in (State.QUEUED, State.HIBERNATED):
+        waited += max(0.0, now - waiting_since(job))
+    return job.priority + waited / rules.aging_s
 
 
 def waiting_since(job: Job) -> float:
@@ -93,6 +102,8 @@ class _Round:
     free: int = 0
     #: what jobs being hibernated will free, not yet promised to anyone
     pending: int = 0
+    #: per waiting job: what jobs being hibernated for it (``Job.room_for``) will free
+    promised: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: per pool: requests of the jobs that start, run or will start (quota use)
     use: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: per pool: requests of the jobs that were starting or running and are not hibernated now (what
@@ -105,8 +116,9 @@ class _Round:
     raises: list[Action] = field(default_factory=list)
     starts: list[Action] = field(default_factory=list)
     waits: list[Action] = field(default_factory=list)
-    #: (pool, priority, within share) → the most room a failed victim search still lacked less than
-    failed: dict[tuple[str, int, bool], int] = field(default_factory=dict)
+    #: (pool, priority, within share) → the last failed victim search: (room it lacked, its effective
+    #: priority); a candidate lacking as much or more with no higher effective priority fails the same
+    failed: dict[tuple[str, int, bool], tuple[int, float]] = field(default_factory=dict)
     #: the candidate holding the room (rule 4), once there is one
     holder: str | None = None
 
@@ -151,21 +163,25 @@ def decide(snapshot: Snapshot, rules: Rules | None = None) -> tuple[Action, ...]
     rules = rules or Rules()
     r = _Round(snapshot, rules)
     r.free = snapshot.budget
-    candidates: list[Job] = []
+    candidates = [
+        job
+        for job in snapshot.jobs
+        if job.state is State.QUEUED or (job.state is State.HIBERNATED and job.hibernated_by in AUTO_RESUME)
+    ]
+    waiting = {job.name for job in candidates}
     for job in snapshot.jobs:
         if job.state in HOLDING:
             r.free -= job.charge
             if job.state is State.HIBERNATING:
-                r.pending += job.charge
+                if job.room_for in waiting:
+                    r.promised[job.room_for] += job.charge
+                else:
+                    r.pending += job.charge
             else:
                 r.use[r.pool(job)] += job.request
                 r.held_use[r.pool(job)] += job.request
                 if job.state is State.RUNNING:
                     r.running[job.name] = job
-        elif job.state is State.QUEUED or (
-            job.state is State.HIBERNATED and job.hibernated_by in AUTO_RESUME
-        ):
-            candidates.append(job)
     alarm = _guard(r)
     if not alarm:
         _limits(r)
@@ -255,6 +271,7 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
     if job.state is State.HIBERNATED and job.hibernated_by is Cause.GUARD and not _calm(r, job):
         r.waits.append(Wait(job.name, "hibernated by the memory guard: waits until memory is calm again"))
         return
+    r.pending += r.promised.pop(job.name, 0)  # its own promise: only it may take it (it comes first)
     if need <= r.free:
         r.free -= need
         r.started += need
@@ -268,11 +285,13 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
         return
     lacking = need - (r.free + r.pending)
     key = (pool, job.priority, within)
+    effective = effective_priority(job, r.snapshot.now, r.rules)
+    failed = r.failed.get(key)
     chosen = None
-    if not (key in r.failed and lacking >= r.failed[key]):
-        chosen = victims.choose(_victims_for(r, job, ranked_running, within), lacking, _charge)
+    if failed is None or lacking < failed[0] or effective > failed[1]:
+        chosen = victims.choose(_victims_for(r, job, effective, ranked_running, within), lacking, _charge)
         if chosen is None:
-            r.failed[key] = min(lacking, r.failed.get(key, lacking))
+            r.failed[key] = (lacking, effective)
     if chosen is not None:
         for tier, victim in chosen:
             if tier == 0:
@@ -304,10 +323,15 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
 
 
 def _victims_for(
-    r: _Round, job: Job, ranked_running: list[victims.Candidate], within: bool
+    r: _Round, job: Job, effective: float, ranked_running: list[victims.Candidate], within: bool
 ) -> list[victims.Candidate]:
-    """The running jobs ``job`` may hibernate (rule 5), tiered and in victim order."""
+    """The running jobs ``job`` (of ``effective`` priority) may hibernate (rule 5), tiered, in victim order."""
     pool = r.pool(job)
+    now, rules = r.snapshot.now, r.rules
+
+    def lower(victim: Job) -> bool:
+        return victim.priority < job.priority and effective_priority(victim, now, rules) < effective
+
     use = r.held_use
     over = {p: use[p] - r.share(p) for p in use if p != pool and use[p] > r.share(p)}
     reclaim = r.quotas and within
@@ -318,13 +342,13 @@ def _victims_for(
             continue
         vpool = r.pool(victim)
         if vpool == pool:
-            if victim.priority < job.priority:
+            if lower(victim):
                 second.append((1, victim))
         elif over.get(vpool, 0) > 0:
             over[vpool] -= victim.request
             if reclaim:
                 first.append((0, victim))
-            elif victim.priority < job.priority:
+            elif lower(victim):
                 second.append((1, victim))
     return first + second
 

@@ -58,6 +58,12 @@ class Job:
     last_checkpoint_at: float | None = None
     hibernated_by: Cause | None = None
     hibernated_at: float | None = None
+    #: seconds it waited in all before its current wait (queued, or hibernated by the scheduler): its
+    #: aging credit, kept while it runs, so that a job bumped again and again does not start from zero
+    waited_s: float = 0.0
+    #: for a hibernating job: the job its hibernation makes room for (``Hibernate.for_job``), so that the
+    #: room stays promised to that job until it starts
+    room_for: str | None = None
     #: its cgroup's memory limit and usage, when the machine has a memory controller for it
     limit: int | None = None
     cgroup_usage: int | None = None
