@@ -351,7 +351,7 @@ def test_a_raise_takes_its_room_before_any_start() -> None:
 # invariants over random snapshots
 
 
-def random_snapshot(rng: random.Random) -> Snapshot:
+def random_snapshot(rng: random.Random, most: int = 40) -> Snapshot:
     budget = rng.randint(8, 64) * G
     quotas = rng.random() < 0.6
     names = ["p", "q", "r"]
@@ -363,7 +363,7 @@ def random_snapshot(rng: random.Random) -> Snapshot:
             for n, s in zip(names, shares, strict=True)
         }
     jobs = []
-    for i in range(rng.randint(0, 40)):
+    for i in range(rng.randint(0, most)):
         state = rng.choice(list(State))
         request = rng.randint(1, max(1, budget // 4 // M)) * M
         usage = int(request * rng.uniform(0, 1.6)) if state is not Q else 0
@@ -450,3 +450,17 @@ def test_invariants_hold_over_random_snapshots_and_the_decision_is_deterministic
         shuffled = list(snap.jobs)
         rng.shuffle(shuffled)
         assert decide(replace(snap, jobs=tuple(shuffled))) == actions
+
+
+def test_the_quick_answer_for_a_long_queue_decides_exactly_what_the_full_rules_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torpor.policy.scheduler import decision as module
+
+    rng = random.Random(16)
+    for _ in range(300):
+        snap = random_snapshot(rng, most=300)
+        quick = decide(snap)
+        monkeypatch.setattr(module, "_FAST", False)
+        assert decide(snap) == quick
+        monkeypatch.setattr(module, "_FAST", True)

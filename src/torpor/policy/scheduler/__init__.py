@@ -5,7 +5,7 @@ room: the least valuable work is hibernated and comes back when there is room ag
 who, from a frozen :class:`Snapshot` of the node; the agent gathers the snapshot, executes the actions
 and shows the reasons. Its modules, each below the ones that use it::
 
-    decide.py     one round: the rules (their spec is that module's docstring) → actions
+    decision.py   one round: the rules (their spec is that module's docstring) → actions
     victims.py    the one order in which victims are chosen, and choosing the fewest that make room
     submit.py     what is refused at submit (too big, unknown project, negative priority, bad size)
     actions.py    Start, Resume, Hibernate, RaiseLimit, Wait — nothing that kills
@@ -14,7 +14,7 @@ and shows the reasons. Its modules, each below the ones that use it::
 """
 
 from torpor.policy.scheduler.actions import Action, Hibernate, RaiseLimit, Resume, Start, Wait
-from torpor.policy.scheduler.decide import decide, effective_priority
+from torpor.policy.scheduler.decision import decide, effective_priority
 from torpor.policy.scheduler.sizes import format_size, parse_size
 from torpor.policy.scheduler.snapshot import Cause, Job, Pressure, Project, Rules, Snapshot, State
 from torpor.policy.scheduler.submit import validate_quotas, validate_submit

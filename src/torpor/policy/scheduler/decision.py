@@ -66,6 +66,10 @@ from torpor.policy.scheduler.sizes import format_size
 from torpor.policy.scheduler.snapshot import AUTO_RESUME, Cause, Job, Rules, Snapshot, State
 
 HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
+#: the quick answer of :func:`_admit_in_order` (the tests turn it off to check it changes nothing)
+_FAST = True
+# module constants: read once per job of a long queue, a global is faster than an enum's attribute
+_QUEUED, _HIBERNATED = State.QUEUED, State.HIBERNATED
 
 
 def effective_priority(job: Job, now: float, rules: Rules) -> float:
@@ -119,25 +123,24 @@ class _Round:
     #: (pool, priority, within share) → the last failed victim search: (room it lacked, its effective
     #: priority); a candidate lacking as much or more with no higher effective priority fails the same
     failed: dict[tuple[str, int, bool], tuple[int, float]] = field(default_factory=dict)
-    #: the candidate holding the room (rule 4), once there is one
+    #: once a candidate holds the room (rule 4): what the candidates after it that cannot start wait for
     holder: str | None = None
+    quotas: bool = False
+    shares: dict[str, int] = field(default_factory=dict)
+    limits: dict[str, int | None] = field(default_factory=dict)
 
-    @property
-    def quotas(self) -> bool:
-        return bool(self.snapshot.projects)
+    def __post_init__(self) -> None:
+        projects = self.snapshot.projects
+        #: no projects: no quotas, one pool ("") whose share is the whole budget
+        self.quotas = bool(projects)
+        self.shares = {name: p.share for name, p in projects.items()} or {"": self.snapshot.budget}
+        self.limits = {name: p.borrow_limit for name, p in projects.items()}
 
     def pool(self, job: Job) -> str:
         return job.project if self.quotas else ""
 
     def share(self, pool: str) -> int:
-        project = self.snapshot.projects.get(pool)
-        if not self.quotas:
-            return self.snapshot.budget
-        return project.share if project is not None else 0
-
-    def borrow_limit(self, pool: str) -> int | None:
-        project = self.snapshot.projects.get(pool)
-        return project.borrow_limit if project is not None else None
+        return self.shares.get(pool, 0)
 
     def claim(self, need: int) -> None:
         """Promise ``need`` bytes (at most free + pending) to a waiting job: pending room first, so that
@@ -163,25 +166,27 @@ def decide(snapshot: Snapshot, rules: Rules | None = None) -> tuple[Action, ...]
     rules = rules or Rules()
     r = _Round(snapshot, rules)
     r.free = snapshot.budget
-    candidates = [
-        job
-        for job in snapshot.jobs
-        if job.state is State.QUEUED or (job.state is State.HIBERNATED and job.hibernated_by in AUTO_RESUME)
-    ]
-    waiting = {job.name for job in candidates}
-    for job in snapshot.jobs:
-        if job.state in HOLDING:
+    candidates: list[Job] = []
+    hibernating: list[Job] = []
+    for job in snapshot.jobs:  # one pass: the queue may be long
+        state = job.state
+        if state is _QUEUED or (state is _HIBERNATED and job.hibernated_by in AUTO_RESUME):
+            candidates.append(job)
+        elif state in HOLDING:
             r.free -= job.charge
-            if job.state is State.HIBERNATING:
-                if job.room_for in waiting:
-                    r.promised[job.room_for] += job.charge
-                else:
-                    r.pending += job.charge
+            if state is State.HIBERNATING:
+                hibernating.append(job)
             else:
                 r.use[r.pool(job)] += job.request
                 r.held_use[r.pool(job)] += job.request
-                if job.state is State.RUNNING:
+                if state is State.RUNNING:
                     r.running[job.name] = job
+    waiting = {job.name for job in candidates} if any(j.room_for for j in hibernating) else set()
+    for job in hibernating:
+        if job.room_for in waiting:
+            r.promised[job.room_for] += job.charge
+        else:
+            r.pending += job.charge
     alarm = _guard(r)
     if not alarm:
         _limits(r)
@@ -233,45 +238,88 @@ def _limits(r: _Round) -> None:
 
 def _admit(r: _Round, candidates: list[Job], alarm: str | None) -> None:
     """Rules 3–6 for every candidate, in order."""
-    now, rules = r.snapshot.now, r.rules
-    candidates.sort(key=lambda j: (-effective_priority(j, now, rules), waiting_since(j), j.name))
+    now, aging = r.snapshot.now, r.rules.aging_s
+    keyed = []
+    for index, job in enumerate(candidates):  # effective_priority, inlined: this runs for the whole queue
+        since = job.submitted_at
+        if job.state is _HIBERNATED and job.hibernated_at is not None:
+            since = job.hibernated_at
+        waited = job.waited_s + (now - since if now > since else 0.0)
+        keyed.append((-(job.priority + waited / aging), since, job.name, index))
+    keyed.sort()  # plain tuples sort fastest; the index (never reached: names are unique) points back
     if alarm is not None:
         why = f"the node is short of memory ({alarm}): nothing starts until it is not"
-        r.waits.extend(Wait(job.name, why) for job in candidates)
+        r.waits.extend(Wait(name, why) for _, _, name, _ in keyed)
         return
     ranked_running = victims.ordered(((0, j) for j in r.running.values()), _charge)
-    if r.quotas:
-        later: list[Job] = []
-        for job in candidates:
-            if r.use[job.project] + job.request <= r.share(job.project):
-                _admit_one(r, job, ranked_running, within=True)
-            else:
-                later.append(job)
-        for job in later:
-            within = r.use[job.project] + job.request <= r.share(job.project)
-            _admit_one(r, job, ranked_running, within=within)
-    else:
-        for job in candidates:
-            _admit_one(r, job, ranked_running, within=True)
+    later = _admit_in_order(r, keyed, candidates, ranked_running, defer_borrowers=r.quotas)
+    _admit_in_order(r, later, candidates, ranked_running, defer_borrowers=False)
 
 
-def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], within: bool) -> None:
-    pool = r.pool(job)
+def _admit_in_order(
+    r: _Round,
+    keyed: list[tuple[float, float, str, int]],
+    candidates: list[Job],
+    ranked_running: list[victims.Candidate],
+    defer_borrowers: bool,
+) -> list[tuple[float, float, str, int]]:
+    """:func:`_admit_one` for each candidate in ``keyed``'s order; with ``defer_borrowers``, those that
+    would borrow are left out and returned, for a second pass.
+
+    The common case of a long queue is answered here, quickly: the room is held, no promise is left, no
+    project has a borrowing limit, and a search for victims like this candidate's — same project,
+    priority and within-share, lacking no more room and of no lower effective priority — already failed:
+    it waits in line, as :func:`_admit_one` would say, without the call.
+    """
+    quotas, use, shares, failed = r.quotas, r.use, r.shares, r.failed
+    no_limits = all(limit is None for limit in r.limits.values())
+    guard = Cause.GUARD
+    later = []
+    fast, room, holder = False, 0, ""
+    for item in keyed:
+        job = candidates[item[3]]
+        project = job.project
+        within = True
+        if quotas:
+            within = use[project] + job.request <= shares.get(project, 0)
+            if defer_borrowers and not within:
+                later.append(item)
+                continue
+        if fast and _FAST and job.hibernated_by is not guard:
+            seen = failed.get((project if quotas else "", job.priority, within))
+            need = job.request if job.usage <= job.request else job.usage
+            if seen is not None and need - room >= seen[0] and -item[0] <= seen[1]:
+                r.waits.append(Wait(job.name, holder))
+                continue
+        _admit_one(r, job, -item[0], ranked_running, within)
+        room = r.free + r.pending
+        fast = r.holder is not None and room <= 0 and not r.promised and no_limits
+        holder = r.holder or ""
+    return later
+
+
+def _admit_one(
+    r: _Round, job: Job, effective: float, ranked_running: list[victims.Candidate], within: bool
+) -> None:
+    """Rules 3, 5 and 6 for one candidate of ``effective`` priority."""
+    pool = job.project if r.quotas else ""
     need = job.charge
-    limit = r.borrow_limit(pool)
-    if r.quotas and limit is not None and r.use[pool] + job.request > r.share(pool) + limit:
-        r.waits.append(
-            Wait(
-                job.name,
-                f"project {pool} would use {format_size(r.use[pool] + job.request)}, beyond its share "
-                f"{format_size(r.share(pool))} and borrowing limit {format_size(limit)}",
+    if r.quotas:
+        limit = r.limits.get(pool)
+        if limit is not None and r.use[pool] + job.request > r.share(pool) + limit:
+            r.waits.append(
+                Wait(
+                    job.name,
+                    f"project {pool} would use {format_size(r.use[pool] + job.request)}, beyond its share "
+                    f"{format_size(r.share(pool))} and borrowing limit {format_size(limit)}",
+                )
             )
-        )
-        return
+            return
     if job.state is State.HIBERNATED and job.hibernated_by is Cause.GUARD and not _calm(r, job):
         r.waits.append(Wait(job.name, "hibernated by the memory guard: waits until memory is calm again"))
         return
-    r.pending += r.promised.pop(job.name, 0)  # its own promise: only it may take it (it comes first)
+    if r.promised:
+        r.pending += r.promised.pop(job.name, 0)  # its own promise: only it may take it (it comes first)
     if need <= r.free:
         r.free -= need
         r.started += need
@@ -285,7 +333,6 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
         return
     lacking = need - (r.free + r.pending)
     key = (pool, job.priority, within)
-    effective = effective_priority(job, r.snapshot.now, r.rules)
     failed = r.failed.get(key)
     chosen = None
     if failed is None or lacking < failed[0] or effective > failed[1]:
@@ -307,7 +354,7 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
         r.waits.append(Wait(job.name, f"making room: hibernating {names}"))
         return
     if r.holder is None:
-        r.holder = job.name
+        r.holder = f"in line behind {job.name}, which holds the free room"
         if r.free + r.pending > 0:
             r.free, r.pending = 0, 0
         room = r.snapshot.budget - sum(j.charge for j in r.running.values())
@@ -319,7 +366,7 @@ def _admit_one(r: _Round, job: Job, ranked_running: list[victims.Candidate], wit
             )
         )
     else:
-        r.waits.append(Wait(job.name, f"in line behind {r.holder}, which holds the free room"))
+        r.waits.append(Wait(job.name, r.holder))
 
 
 def _victims_for(
