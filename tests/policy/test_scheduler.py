@@ -216,6 +216,34 @@ def test_a_job_keeps_its_aging_credit_while_it_runs_and_lower_priorities_cannot_
     assert not any(isinstance(a, Hibernate) for a in alone)
 
 
+def test_a_victim_does_not_take_back_the_room_it_made_before_its_preemptor_starts() -> None:
+    jobs = (
+        job("victim", HD, 4, priority=0, room_for="urgent", hibernated_by=Cause.PREEMPTED, hibernated_at=0),
+        job("urgent", Q, 6, priority=3, submitted_at=999),
+        job("runner", R, 4, priority=9),
+    )
+    actions = by_job(decide(node(*jobs, now=99_000)))  # the victim has aged far above the preemptor
+    assert actions["urgent"] == Start("urgent")
+    assert "made room for urgent" in actions["victim"].why  # type: ignore[union-attr]
+
+
+def test_a_promise_is_only_as_large_as_the_room_really_free() -> None:
+    jobs = (
+        job("victim", HD, 4, room_for="urgent", hibernated_by=Cause.PREEMPTED, hibernated_at=0),
+        job("grown", R, 4, usage=8 * G, priority=9),  # took the victim's room by growing
+        job("urgent", Q, 4, priority=3),
+    )
+    assert isinstance(by_job(decide(node(*jobs)))["urgent"], Wait)
+
+
+def test_a_job_starts_only_if_the_node_has_the_memory_too_not_only_the_budget() -> None:
+    rules = Rules(calm_available=2 * G)
+    short = Pressure(mem_available=5 * G)  # memory used outside torpor took the rest
+    actions = by_job(decide(node(job("a", Q, 4), job("b", Q, 2), pressure=short), rules))
+    assert "MemAvailable 5G less its 4G would be below 2G" in actions["a"].why  # type: ignore[union-attr]
+    assert actions["b"] == Start("b")
+
+
 def test_fewest_victims_among_equals_and_the_reprieve_drops_the_unneeded() -> None:
     jobs = (
         job("small", R, 1, priority=0),
@@ -341,6 +369,23 @@ def test_a_job_near_its_cgroup_limit_gets_it_raised_when_there_is_room_else_is_h
     assert "no 512M to raise it" in full[0].reason  # type: ignore[union-attr]
 
 
+def test_when_the_guard_acts_a_job_near_its_limit_is_hibernated_not_raised() -> None:
+    near = job("j", R, 2, usage=int(1.9 * G), limit=2 * G, cgroup_usage=int(1.9 * G), priority=9)
+    other = job("other", R, 4, usage=4 * G)
+    actions = decide(node(near, other, pressure=Pressure(mem_available=G // 4)), Rules(calm_available=G))
+    assert {(a.job, a.cause) for a in actions if isinstance(a, Hibernate)} == {
+        ("j", Cause.GUARD),
+        ("other", Cause.GUARD),
+    }
+    assert not any(isinstance(a, RaiseLimit) for a in actions)
+
+
+def test_the_guard_hibernates_everyone_rather_than_leave_the_oom_killer_a_job() -> None:
+    jobs = (job("a", R, 1, usage=G), job("b", R, 1, usage=G))
+    actions = decide(node(*jobs, pressure=Pressure(mem_available=0)), Rules(calm_available=8 * G))
+    assert sorted(a.job for a in actions if isinstance(a, Hibernate)) == ["a", "b"]
+
+
 def test_a_raise_takes_its_room_before_any_start() -> None:
     near = job("j", R, 2, limit=2 * G, cgroup_usage=int(1.9 * G))
     actions = decide(node(near, job("q", Q, 7.8)))
@@ -385,6 +430,10 @@ def random_snapshot(rng: random.Random, most: int = 40) -> Snapshot:
                 cgroup_usage=int(limit * rng.uniform(0.5, 1.0)) if limit else None,
             )
         )
+    names_of = [j.name for j in jobs]
+    for i, j in enumerate(jobs):  # some were hibernated to make room for another
+        if j.state in (H, HD) and rng.random() < 0.4:
+            jobs[i] = replace(j, room_for=rng.choice(names_of))
     pressure = Pressure(
         mem_available=rng.choice([None, rng.randint(0, 8) * G // 2]),
         psi_full_avg10=rng.choice([None, 0.0, rng.uniform(0, 50)]),
@@ -428,8 +477,10 @@ def check_invariants(snap: Snapshot, actions: tuple[Action, ...]) -> None:
             assert before.state is Q or (before.state is HD and before.hibernated_by is not Cause.USER)
         else:
             assert isinstance(a, RaiseLimit) and before.limit is not None and a.limit > before.limit
+            assert before.state is R or Resume(a.job) in actions
     if any(isinstance(a, Start | Resume) for a in actions):
-        assert sum(j.charge for j in after.values() if j.state in HOLD) <= snap.budget
+        raised = sum(a.limit - jobs[a.job].limit for a in actions if isinstance(a, RaiseLimit))  # type: ignore[operator]
+        assert sum(j.charge for j in after.values() if j.state in HOLD) + raised <= snap.budget
     before_requests = sum(j.request for j in jobs.values() if j.state in HOLD)
     after_requests = sum(j.request for j in after.values() if j.state in HOLD)
     assert after_requests <= max(snap.budget, before_requests)

@@ -1,7 +1,8 @@
 """What the scheduler tells the agent to do. There is no action that kills: the worst is Hibernate.
 
 The agent executes a decision's actions in their order (hibernations first, then limit raises, then
-starts and resumes) and shows each :class:`Wait`'s ``why`` in ``torpor queue``. A start never depends on a
+starts and resumes — a Resume may be followed by a RaiseLimit of the same job: restore it with that
+limit) and shows each :class:`Wait`'s ``why`` in ``torpor queue``. A start never depends on a
 hibernation of the same round: memory that is still being freed is only promised (the job waits).
 """
 

@@ -12,11 +12,16 @@ The rules, in the order :func:`decide` applies them (each is the spec; the tests
 2. **Limits rise before jobs die.** A running job whose cgroup usage reaches ``Rules.near_limit`` of its
    limit gets the limit raised (by ``Rules.raise_share`` of it, at least ``Rules.raise_min``) when the
    budget has that much room; the raise is taken from the room this round (nothing else starts in it).
-   Without room the job is hibernated (cause guard) instead of being OOM-killed by its cgroup.
+   Without room (or while the guard acts) the job is hibernated (cause guard) instead of being
+   OOM-killed by its cgroup; it comes back only when there is room for its charge *and* the raise, and
+   its :class:`~torpor.policy.scheduler.actions.Resume` is followed by that ``RaiseLimit`` (restore it
+   with the raised limit), so that it does not hit the same limit again at once.
 3. **Admission.** A job *holds* memory while it is starting, running or hibernating; each holding job is
    charged its request, or its usage if it grew past it. A queued job starts (a hibernated one resumes)
    only when its charge fits in the budget less what the holding jobs are charged, and its project stays
-   within its share plus its borrowing limit. Memory that jobs being hibernated will free is *promised*:
+   within its share plus its borrowing limit, and the node has the memory too: MemAvailable less the
+   charges of this round's starts stays at least ``Rules.calm_available`` (memory used outside torpor
+   counts; that threshold should be below the reserve). Memory that jobs being hibernated will free is *promised*:
    a job it is enough for waits for it (and nobody else takes it). So after the actions, the requests
    (and charges) of holding jobs never exceed the budget.
 4. **Order and aging.** Candidates — queued jobs and jobs the scheduler hibernated (preempted, reclaimed,
@@ -41,8 +46,9 @@ The rules, in the order :func:`decide` applies them (each is the spec; the tests
      preemption: after ``aging_s`` × (the priority gap) of waiting in all).
 
    The candidate waits until they are hibernated and starts in a later round: the agent marks each
-   victim's ``Job.room_for`` with the candidate, and the room those victims free stays promised to it
-   (nobody else, not even the candidate holding the room, takes it) while it waits.
+   victim's ``Job.room_for`` with the candidate (until the candidate starts), and the room those victims
+   free stays promised to it — nobody else takes it, not the candidate holding the room, not the victims
+   themselves, which would otherwise take it back with their aging and be preempted again.
 6. **A guard victim comes back with hysteresis**: only when PSI full avg10 is at most
    ``Rules.calm_psi_full`` and MemAvailable, less its usage, stays at least ``Rules.calm_available``
    (the guard acted below ``guard_available``), so the node does not flap between the two.
@@ -106,8 +112,11 @@ class _Round:
     free: int = 0
     #: what jobs being hibernated will free, not yet promised to anyone
     pending: int = 0
-    #: per waiting job: what jobs being hibernated for it (``Job.room_for``) will free
-    promised: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: per waiting job: the room jobs hibernated for it (``Job.room_for``) freed (now) or will free (later)
+    promised_now: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    promised_later: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: the candidates' names, when some job made room for one of them (else empty)
+    waiting: set[str] = field(default_factory=set)
     #: per pool: requests of the jobs that start, run or will start (quota use)
     use: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: per pool: requests of the jobs that were starting or running and are not hibernated now (what
@@ -181,20 +190,26 @@ def decide(snapshot: Snapshot, rules: Rules | None = None) -> tuple[Action, ...]
                 r.held_use[r.pool(job)] += job.request
                 if state is State.RUNNING:
                     r.running[job.name] = job
-    waiting = {job.name for job in candidates} if any(j.room_for for j in hibernating) else set()
+    promising = [j for j in (*hibernating, *candidates) if j.room_for is not None]
+    waiting = r.waiting = {job.name for job in candidates} if promising else set()
     for job in hibernating:
-        if job.room_for in waiting:
-            r.promised[job.room_for] += job.charge
-        else:
+        if job.room_for not in waiting:
             r.pending += job.charge
-    alarm = _guard(r)
-    if not alarm:
-        _limits(r)
+    for job in sorted(promising, key=lambda j: (j.room_for or "", j.name)):
+        if job.room_for in waiting and job.state is State.HIBERNATING:
+            r.promised_later[job.room_for] += job.charge
+        elif job.room_for in waiting and job.state is _HIBERNATED:
+            # free, but not for anyone else — as far as it is free: jobs that grew may have taken it
+            grant = min(job.charge, max(r.free, 0))
+            r.promised_now[job.room_for] += grant
+            r.free -= grant
+    alarm = _guard(r, hibernating)
+    _limits(r, raise_ok=alarm is None)
     _admit(r, candidates, alarm)
     return (*r.hibernations, *r.raises, *r.starts, *r.waits)
 
 
-def _guard(r: _Round) -> str | None:
+def _guard(r: _Round, hibernating: list[Job]) -> str | None:
     """Rule 1: why the node is short of memory (and the victims hibernated), or None when it is not."""
     rules, pressure = r.rules, r.snapshot.pressure
     available = pressure.mem_available
@@ -205,7 +220,7 @@ def _guard(r: _Round) -> str | None:
         alarm = f"PSI full avg10 {pressure.psi_full_avg10:g} > {rules.guard_psi_full:g}"
     if alarm is None:
         return None
-    in_flight = sum(j.usage for j in r.snapshot.jobs if j.state is State.HIBERNATING)
+    in_flight = sum(j.usage for j in hibernating)
     deficit = rules.calm_available - available if available is not None else 0
     need = deficit - in_flight
     if need <= 0 and in_flight:
@@ -217,14 +232,15 @@ def _guard(r: _Round) -> str | None:
     return alarm
 
 
-def _limits(r: _Round) -> None:
-    """Rule 2: raise the limit of each running job near it, or hibernate it when there is no room."""
+def _limits(r: _Round, raise_ok: bool) -> None:
+    """Rule 2: raise the limit of each running job near it, or hibernate it when there is no room (or,
+    when the guard acts, no raise at all: its cgroup would kill it whatever the node's pressure)."""
     rules = r.rules
     for job in sorted(r.running.values(), key=lambda j: j.name):
-        if job.limit is None or job.cgroup_usage is None or job.cgroup_usage < rules.near_limit * job.limit:
+        step = _raise_step(job, rules)
+        if not step or job.limit is None or job.cgroup_usage is None:
             continue
-        step = max(int(job.limit * rules.raise_share), rules.raise_min)
-        if r.free >= step:
+        if raise_ok and r.free >= step:
             r.free -= step
             r.raises.append(RaiseLimit(job.name, job.limit + step))
         else:
@@ -232,8 +248,19 @@ def _limits(r: _Round) -> None:
                 job,
                 Cause.GUARD,
                 f"near its cgroup limit ({format_size(job.cgroup_usage)} of {format_size(job.limit)}) "
-                f"and the budget has no {format_size(step)} to raise it",
+                + (
+                    f"and the budget has no {format_size(step)} to raise it"
+                    if raise_ok
+                    else "while the node is short of memory"
+                ),
             )
+
+
+def _raise_step(job: Job, rules: Rules) -> int:
+    """How much ``job``'s cgroup limit is to be raised by: 0 unless its usage is near the limit (rule 2)."""
+    if job.limit is None or job.cgroup_usage is None or job.cgroup_usage < rules.near_limit * job.limit:
+        return 0
+    return max(int(job.limit * rules.raise_share), rules.raise_min)
 
 
 def _admit(r: _Round, candidates: list[Job], alarm: str | None) -> None:
@@ -285,7 +312,7 @@ def _admit_in_order(
             if defer_borrowers and not within:
                 later.append(item)
                 continue
-        if fast and _FAST and job.hibernated_by is not guard:
+        if fast and _FAST and job.hibernated_by is not guard and job.room_for is None:
             seen = failed.get((project if quotas else "", job.priority, within))
             need = job.request if job.usage <= job.request else job.usage
             if seen is not None and need - room >= seen[0] and -item[0] <= seen[1]:
@@ -293,7 +320,9 @@ def _admit_in_order(
                 continue
         _admit_one(r, job, -item[0], ranked_running, within)
         room = r.free + r.pending
-        fast = r.holder is not None and room <= 0 and not r.promised and no_limits
+        fast = (
+            r.holder is not None and room <= 0 and not r.promised_now and not r.promised_later and no_limits
+        )
         holder = r.holder or ""
     return later
 
@@ -303,7 +332,9 @@ def _admit_one(
 ) -> None:
     """Rules 3, 5 and 6 for one candidate of ``effective`` priority."""
     pool = job.project if r.quotas else ""
-    need = job.charge
+    # a job hibernated near its limit comes back only with room to grow (a queued one has no cgroup yet)
+    step = _raise_step(job, r.rules) if job.state is _HIBERNATED else 0
+    need = job.charge + step
     if r.quotas:
         limit = r.limits.get(pool)
         if limit is not None and r.use[pool] + job.request > r.share(pool) + limit:
@@ -315,23 +346,44 @@ def _admit_one(
                 )
             )
             return
+    if job.room_for is not None and job.room_for in r.waiting:
+        r.waits.append(Wait(job.name, f"made room for {job.room_for}: comes back once that has started"))
+        return
     if job.state is State.HIBERNATED and job.hibernated_by is Cause.GUARD and not _calm(r, job):
         r.waits.append(Wait(job.name, "hibernated by the memory guard: waits until memory is calm again"))
         return
-    if r.promised:
-        r.pending += r.promised.pop(job.name, 0)  # its own promise: only it may take it (it comes first)
+    own_later = 0  # the room its victims freed or will free: only it may take it
+    if r.promised_now or r.promised_later:
+        r.free += r.promised_now.pop(job.name, 0)
+        own_later = r.promised_later.pop(job.name, 0)
+        r.pending += own_later
     if need <= r.free:
+        available = r.snapshot.pressure.mem_available
+        if available is not None and available - r.started - need < r.rules.calm_available:
+            r.waits.append(
+                Wait(
+                    job.name,
+                    f"the budget has room but the node has not: MemAvailable {format_size(available - r.started)}"
+                    f" less its {format_size(need)} would be below {format_size(r.rules.calm_available)}",
+                )
+            )
+            return
         r.free -= need
         r.started += need
         r.use[pool] += job.request
         r.starts.append(Resume(job.name) if job.state is State.HIBERNATED else Start(job.name))
+        if step and job.limit is not None:
+            r.starts.append(RaiseLimit(job.name, job.limit + step))
         return
     if need <= r.free + r.pending:
         r.claim(need)
         r.use[pool] += job.request
         r.waits.append(Wait(job.name, "the room it needs is being freed (jobs are being hibernated)"))
         return
-    lacking = need - (r.free + r.pending)
+    # victims make up what free room and its own promise lack, not counting on the rest of what is
+    # being freed: that is promised to nobody, and the next round may see it taken — and the victims
+    # hibernated for nothing
+    lacking = need - (r.free + own_later)
     key = (pool, job.priority, within)
     failed = r.failed.get(key)
     chosen = None
@@ -355,14 +407,13 @@ def _admit_one(
         return
     if r.holder is None:
         r.holder = f"in line behind {job.name}, which holds the free room"
-        if r.free + r.pending > 0:
-            r.free, r.pending = 0, 0
-        room = r.snapshot.budget - sum(j.charge for j in r.running.values())
+        room = max(r.free + r.pending, 0)
+        r.free, r.pending = min(r.free, 0), min(r.free + r.pending, 0) - min(r.free, 0)
         r.waits.append(
             Wait(
                 job.name,
-                f"needs {format_size(need)}, {format_size(max(room, 0))} of the budget "
-                f"{format_size(r.snapshot.budget)} is not held, and no job of lower priority frees enough",
+                f"needs {format_size(need)}, {format_size(room)} of the budget {format_size(r.snapshot.budget)} "
+                "is free or being freed, and no job of lower priority frees enough",
             )
         )
     else:

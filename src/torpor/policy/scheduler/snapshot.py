@@ -52,6 +52,7 @@ class Job:
     submitted_at: float = 0.0
     #: its resident memory now (all its processes); for a hibernated job, what it held when it stopped
     usage: int = 0
+    #: recorded for ``torpor queue``; not scheduled: memory is what these jobs run out of
     cpus: float = 1.0
     #: seconds it has run since its last checkpoint (what a crash would lose; what a hibernation costs)
     work_since_checkpoint_s: float = 0.0
@@ -61,8 +62,8 @@ class Job:
     #: seconds it waited in all before its current wait (queued, or hibernated by the scheduler): its
     #: aging credit, kept while it runs, so that a job bumped again and again does not start from zero
     waited_s: float = 0.0
-    #: for a hibernating job: the job its hibernation makes room for (``Hibernate.for_job``), so that the
-    #: room stays promised to that job until it starts
+    #: for a job hibernated to make room for another (``Hibernate.for_job``): that job, until it starts
+    #: (the agent clears it then, or when this job resumes): the room stays promised to it meanwhile
     room_for: str | None = None
     #: its cgroup's memory limit and usage, when the machine has a memory controller for it
     limit: int | None = None
