@@ -11,6 +11,8 @@ the fastest and slowest, and the number of actions (what the agent would execute
 * **empty node, quotas**: the same queue on a node with nothing running: jobs start until the budget is
   full, the rest wait;
 * **full node, no quotas**: the first scenario with one pool;
+* **empty node, MemAvailable binds**: the empty node while memory used outside torpor leaves 64 GiB:
+  the budget has room, the node has not (jobs wait without holding the room);
 * **guard**: the full node under memory pressure (MemAvailable below the guard): the guard picks victims
   and the whole queue waits.
 
@@ -40,6 +42,7 @@ from torpor.policy.scheduler import Job, Pressure, Project, Rules, Snapshot, Sta
 
 GIB = 1 << 30
 BUDGET = 256 * GIB
+RESERVE = 16 * GIB
 GOAL_S = 0.050
 PROJECTS = {name: Project(name, BUDGET // 3) for name in ("vision", "nlp", "speech")}
 
@@ -80,16 +83,22 @@ def full_node(queued: int, seed: int = 15) -> Snapshot:
             )
         )
     rng.shuffle(jobs)
-    return Snapshot(BUDGET, tuple(jobs), now=7200.0, projects=PROJECTS, pressure=Pressure(64 * GIB, 0.0, 0.0))
+    calm = Pressure(BUDGET - used + RESERVE, 0.0, 0.0)  # what the running jobs leave, and the reserve
+    return Snapshot(BUDGET, tuple(jobs), now=7200.0, projects=PROJECTS, pressure=calm)
 
 
 def scenarios(queued: int) -> list[tuple[str, Snapshot]]:
     full = full_node(queued)
-    empty = replace(full, jobs=tuple(j for j in full.jobs if j.state is State.QUEUED))
+    empty = replace(
+        full,
+        jobs=tuple(j for j in full.jobs if j.state is State.QUEUED),
+        pressure=Pressure(BUDGET + RESERVE, 0.0, 0.0),
+    )
     return [
         ("full node, quotas", full),
         ("empty node, quotas", empty),
         ("full node, no quotas", replace(full, projects={})),
+        ("empty node, MemAvailable binds (64 GiB)", replace(empty, pressure=Pressure(64 * GIB, 0.0, 0.0))),
         ("guard (MemAvailable 256 MiB)", replace(full, pressure=Pressure(256 << 20, 5.0, 20.0))),
     ]
 

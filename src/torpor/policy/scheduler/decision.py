@@ -21,19 +21,23 @@ The rules, in the order :func:`decide` applies them (each is the spec; the tests
    only when its charge fits in the budget less what the holding jobs are charged, and its project stays
    within its share plus its borrowing limit, and the node has the memory too: MemAvailable less the
    charges of this round's starts stays at least ``Rules.calm_available`` (memory used outside torpor
-   counts; that threshold should be below the reserve). Memory that jobs being hibernated will free is *promised*:
-   a job it is enough for waits for it (and nobody else takes it). So after the actions, the requests
-   (and charges) of holding jobs never exceed the budget.
+   counts; that threshold belongs below the reserve). A job that what is being hibernated would make
+   fit waits for it (and the room is taken from what later candidates see). So after the actions, the
+   requests (and charges) of holding jobs never exceed the budget.
 4. **Order and aging.** Candidates — queued jobs and jobs the scheduler hibernated (preempted, reclaimed,
    guard; never those a user hibernated) — are taken by *effective priority*: priority + one level per
-   ``Rules.aging_s`` seconds waited (since submit for a queued job, since hibernation for a hibernated
-   one), then the longest waiting, then the name. With quotas, candidates within their project's share
+   ``Rules.aging_s`` seconds waited in all (``Job.waited_s``, its earlier waits, plus the current one:
+   since submit for a queued job, since hibernation for a hibernated one), then the longest waiting,
+   then the name. With quotas, candidates within their project's share
    go before those that would borrow (a guarantee is a guarantee), each group in that order.
    The first candidate that can neither start nor make room *holds* the room there is: no later
    candidate starts in it (it can still make room of its own by preemption). So a big job is not starved
    by small ones, and aging makes every waiting job the first in line in bounded time.
 5. **Reclaim, then preemption.** A candidate that does not fit may make room by hibernating running jobs,
    chosen by :func:`~torpor.policy.scheduler.victims.choose`, only if they free enough (else none):
+
+   Victims make up what free room (and the candidate's own promise) lacks; room that other jobs being
+   hibernated will free counts only for waiting, not for choosing victims: it is promised to nobody.
 
    - *reclaim*: a candidate within its project's share may hibernate another project's borrowed work —
      its running jobs beyond that project's share (the first ones in victim order, as many as it is
@@ -47,18 +51,21 @@ The rules, in the order :func:`decide` applies them (each is the spec; the tests
 
    The candidate waits until they are hibernated and starts in a later round: the agent marks each
    victim's ``Job.room_for`` with the candidate (until the candidate starts), and the room those victims
-   free stays promised to it — nobody else takes it, not the candidate holding the room, not the victims
-   themselves, which would otherwise take it back with their aging and be preempted again.
-6. **A guard victim comes back with hysteresis**: only when PSI full avg10 is at most
-   ``Rules.calm_psi_full`` and MemAvailable, less its usage, stays at least ``Rules.calm_available``
-   (the guard acted below ``guard_available``), so the node does not flap between the two.
+   free stays promised to it (as far as it is still free: a job that grew may have taken some) — nobody
+   else takes it, not the candidate holding the room, not the victims themselves: a victim comes back
+   only once its preemptor has started (else it would take the room back with its aging and be
+   preempted again, round after round).
+6. **Hysteresis**: the guard acts below ``guard_available`` and every start or resume must leave
+   ``calm_available`` (rule 3), so the node does not flap between the two; a job the guard hibernated
+   also waits until PSI full avg10 is at most ``Rules.calm_psi_full``.
 
 Every candidate that does not start gets a :class:`~torpor.policy.scheduler.actions.Wait` that says why.
 Actions never kill. The decision is deterministic: the same snapshot gives the same actions.
 
-Cost: one sort of the candidates and one of the running jobs; a candidate that fails to find victims is
-remembered by (project, priority, within-share) with the room it lacked, so that the thousands of queued
-jobs behind it are answered in constant time each.
+Cost: one pass over the jobs, one sort of the candidates and one of the running jobs; a candidate that
+fails to find victims is remembered by (project, priority, within-share) with the room it lacked and its
+effective priority, so that the thousands of queued jobs behind it are answered in constant time each
+(:func:`_admit_in_order`). The agent keeps job names unique.
 """
 
 from __future__ import annotations
@@ -134,6 +141,9 @@ class _Round:
     failed: dict[tuple[str, int, bool], tuple[int, float]] = field(default_factory=dict)
     #: once a candidate holds the room (rule 4): what the candidates after it that cannot start wait for
     holder: str | None = None
+    #: the least need that MemAvailable refused this round (0: none), and the message of the last refusal
+    node_short: int = 0
+    short_why: tuple[int, str] = (-1, "")
     quotas: bool = False
     shares: dict[str, int] = field(default_factory=dict)
     limits: dict[str, int | None] = field(default_factory=dict)
@@ -160,6 +170,23 @@ class _Round:
         take = min(self.pending, need)
         self.pending -= take
         self.free -= need - take
+
+    def short_of_memory(self, available: int) -> str:
+        """Why a job the budget has room for waits: the node's MemAvailable (one message per value)."""
+        if self.short_why[0] != available:
+            calm = format_size(self.rules.calm_available)
+            self.short_why = (
+                available,
+                f"the budget has room but the node has not: starting it would leave MemAvailable "
+                f"({format_size(available)}) below {calm}",
+            )
+        return self.short_why[1]
+
+    def hold(self, name: str) -> None:
+        """Rule 4: the first candidate that cannot start holds the room there is (no later one starts in it)."""
+        if self.holder is None:
+            self.holder = f"in line behind {name}, which holds the free room"
+            self.free, self.pending = min(self.free, 0), min(self.free + self.pending, 0) - min(self.free, 0)
 
     def hibernate(self, job: Job, cause: Cause, reason: str, for_job: str | None = None) -> None:
         """Record a hibernation: the job stops counting against its quota, its memory is pending."""
@@ -302,7 +329,9 @@ def _admit_in_order(
     no_limits = all(limit is None for limit in r.limits.values())
     guard = Cause.GUARD
     later = []
-    fast, room, holder = False, 0, ""
+    fast, room, holder, short = False, 0, "", False
+    available = r.snapshot.pressure.mem_available or 0
+    wait = r.waits.append
     for item in keyed:
         job = candidates[item[3]]
         project = job.project
@@ -312,11 +341,18 @@ def _admit_in_order(
             if defer_borrowers and not within:
                 later.append(item)
                 continue
+        if short and _FAST and job.hibernated_by is not guard and job.room_for is None:
+            need = job.request if job.usage <= job.request else job.usage
+            if r.node_short <= need <= r.free and not (quotas and r.limits.get(project) is not None):
+                wait(Wait(job.name, r.short_of_memory(available - r.started)))
+                continue
         if fast and _FAST and job.hibernated_by is not guard and job.room_for is None:
             seen = failed.get((project if quotas else "", job.priority, within))
             need = job.request if job.usage <= job.request else job.usage
-            if seen is not None and need - room >= seen[0] and -item[0] <= seen[1]:
-                r.waits.append(Wait(job.name, holder))
+            # as _admit_one would: no room to start or claim in (room <= 0 < need), and victims to find
+            # for need - free (what it lacks), like a search that failed
+            if seen is not None and need > 0 and need - r.free >= seen[0] and -item[0] <= seen[1]:
+                wait(Wait(job.name, holder))
                 continue
         _admit_one(r, job, -item[0], ranked_running, within)
         room = r.free + r.pending
@@ -324,6 +360,7 @@ def _admit_in_order(
             r.holder is not None and room <= 0 and not r.promised_now and not r.promised_later and no_limits
         )
         holder = r.holder or ""
+        short = bool(r.node_short) and not r.promised_now and not r.promised_later  # (MemAvailable is known)
     return later
 
 
@@ -360,13 +397,9 @@ def _admit_one(
     if need <= r.free:
         available = r.snapshot.pressure.mem_available
         if available is not None and available - r.started - need < r.rules.calm_available:
-            r.waits.append(
-                Wait(
-                    job.name,
-                    f"the budget has room but the node has not: MemAvailable {format_size(available - r.started)}"
-                    f" less its {format_size(need)} would be below {format_size(r.rules.calm_available)}",
-                )
-            )
+            # memory used outside torpor is passing: the job does not hold the room for it (rule 4)
+            r.waits.append(Wait(job.name, r.short_of_memory(available - r.started)))
+            r.node_short = min(need, r.node_short) if r.node_short else need
             return
         r.free -= need
         r.started += need
@@ -406,9 +439,8 @@ def _admit_one(
         r.waits.append(Wait(job.name, f"making room: hibernating {names}"))
         return
     if r.holder is None:
-        r.holder = f"in line behind {job.name}, which holds the free room"
         room = max(r.free + r.pending, 0)
-        r.free, r.pending = min(r.free, 0), min(r.free + r.pending, 0) - min(r.free, 0)
+        r.hold(job.name)
         r.waits.append(
             Wait(
                 job.name,
