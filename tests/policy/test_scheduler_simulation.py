@@ -180,7 +180,7 @@ def apply(snap: Snapshot, by_name: dict[str, Model], actions: tuple[object, ...]
             m.job = replace(m.job, limit=action.limit)
 
 
-def check_reclaim_first(snap: Snapshot, by_name: dict[str, Model], actions: tuple[object, ...]) -> None:
+def check_reclaim_first(snap: Snapshot, by_name: dict[str, Model], actions: tuple[object, ...]) -> int:
     """A preemptor within its share preempted by priority only if no other project still runs borrowed work."""
     held: dict[str, int] = {p: 0 for p in PROJECTS}
     running: dict[str, int] = {p: 0 for p in PROJECTS}
@@ -191,6 +191,7 @@ def check_reclaim_first(snap: Snapshot, by_name: dict[str, Model], actions: tupl
             running[j.project] += j.state is State.RUNNING
     # what decide counts against a project when it asks whether a candidate is within its share: its
     # holding jobs before this round, and (at most) everything of it this round starts or promises room to
+    checked = 0
     claimed: dict[str, int] = {p: 0 for p in PROJECTS}
     for j in snap.jobs:
         if j.state in (State.RUNNING, State.STARTING):
@@ -204,9 +205,11 @@ def check_reclaim_first(snap: Snapshot, by_name: dict[str, Model], actions: tupl
         if isinstance(action, Hibernate) and action.cause is Cause.PREEMPTED and action.for_job:
             owner = by_name[action.for_job].job
             if claimed[owner.project] <= PROJECTS[owner.project].share:
+                checked += 1
                 for p in PROJECTS:
                     if p != owner.project:
                         assert held[p] <= PROJECTS[p].share or running[p] == 0, (action, p)
+    return checked
 
 
 def replay(seed: int) -> tuple[list[Model], dict[str, int]]:
@@ -222,6 +225,7 @@ def replay(seed: int) -> tuple[list[Model], dict[str, int]]:
         "node guard": 0,
         "raise": 0,
         "steps": 0,
+        "reclaim first": 0,  # preemptions by a job within its share, checked to come after reclaim
     }
     now = 0.0
     step = 0
@@ -239,7 +243,7 @@ def replay(seed: int) -> tuple[list[Model], dict[str, int]]:
         if step % 10 == 0:
             assert decide(snap, RULES) == actions
         apply(snap, by_name, actions)
-        check_reclaim_first(snap, by_name, actions)
+        counts["reclaim first"] += check_reclaim_first(snap, by_name, actions)
         assert sum(m.job.request for m in live(models, now) if m.job.state in HOLDING) <= BUDGET
         for a in actions:
             if isinstance(a, Hibernate):
@@ -252,7 +256,7 @@ def replay(seed: int) -> tuple[list[Model], dict[str, int]]:
 
 
 def test_a_day_of_a_shared_node_loses_no_job_and_starves_none() -> None:
-    node_guard = 0
+    node_guard = reclaim_first = 0
     for seed in (1, 2, 3, 4):
         models, counts = replay(seed)
         assert all(m.finished_at is not None for m in models)
@@ -261,4 +265,6 @@ def test_a_day_of_a_shared_node_loses_no_job_and_starves_none() -> None:
         # at their limit when there was no room to raise it
         assert counts["preempted"] and counts["reclaimed"] and counts["raise"] and counts["guard"], counts
         node_guard += counts["node guard"]
+        reclaim_first += counts["reclaim first"]
     assert node_guard, "the memory guard never had to act on the node's MemAvailable"
+    assert reclaim_first, "no job within its share preempted by priority: reclaim-first went unchecked"
