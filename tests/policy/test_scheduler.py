@@ -121,6 +121,13 @@ def test_quotas_beyond_the_budget_or_negative_are_refused() -> None:
     assert "0 or more" in validate_quotas({"x": Project("x", -1)}, G)[0]
 
 
+def test_the_rules_numbers_are_checked_and_the_calm_level_must_lie_below_the_reserve() -> None:
+    assert Rules().problems(reserve=4 * G) == []
+    assert "below the reserve" in Rules().problems(reserve=G)[0]
+    assert "below the calm level" in Rules(guard_available=3 * G, calm_available=2 * G).problems()[0]
+    assert "aging" in Rules(aging_s=0).problems()[0]
+
+
 # rule 3: admission
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from torpor.policy.scheduler.sizes import format_size
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -118,6 +120,28 @@ class Rules:
     #: a raise adds this share of the limit (at least ``raise_min``), if the budget has room for it
     raise_share: float = 0.25
     raise_min: int = 64 * MiB
+
+    def problems(self, reserve: int | None = None) -> list[str]:
+        """What makes these numbers unusable, one line each (empty: fine); ``reserve``, the memory the
+        budget leaves to the machine, when known: the calm level must lie below it, or a full budget
+        would read as a node short of memory and nothing would ever start."""
+        found = []
+        if self.aging_s <= 0:
+            found.append("aging must take more than 0 s per priority level")
+        if not 0 <= self.guard_available < self.calm_available:
+            found.append("the guard's MemAvailable threshold must be at least 0 and below the calm level")
+        if not 0 <= self.calm_psi_full <= self.guard_psi_full:
+            found.append("PSI full thresholds: the calm one must be at least 0 and at most the guard's")
+        if not 0 < self.near_limit <= 1:
+            found.append("near a limit means a share of it above 0 and at most 1")
+        if self.raise_share <= 0 or self.raise_min < 0:
+            found.append("a limit raise must add more than 0")
+        if reserve is not None and self.calm_available >= reserve:
+            found.append(
+                f"the calm MemAvailable level ({format_size(self.calm_available)}) must be below the reserve "
+                f"({format_size(reserve)}): a full budget would leave the node never calm"
+            )
+        return found
 
 
 @dataclass(frozen=True)
