@@ -75,7 +75,13 @@ def status_of(error: TorporError) -> int:
 
 
 def error_body(error: TorporError) -> dict[str, Any]:
-    return {"error": error.message, "details": list(error.details), "exit_code": error.exit_code}
+    kind = str(error.to_dict()["error"])  # the class the client rebuilds (its nearest public one)
+    return {
+        "error": error.message,
+        "details": list(error.details),
+        "exit_code": error.exit_code,
+        "kind": kind,
+    }
 
 
 def create_app(agent: Agent, token: str | None = None) -> FastAPI:
