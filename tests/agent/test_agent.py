@@ -49,6 +49,17 @@ def test_one_agent_per_state_directory_and_bad_requests_are_4xx_with_a_message(
     assert agent.api.post("/v1/jobs/nope/checkpoint", json={}).status_code == 404
     assert agent.api.post("/v1/jobs", json={"command": []}).status_code == 422
     assert agent.api.post("/v1/jobs", json={"command": ["/no/such/program"]}).status_code == 400
+    for policy in ({"colour": "red"}, {"checkpoint_every_s": 0.1}, {"wake_on": [70000], "idle_after_s": 60}):
+        refused = agent.api.post(
+            "/v1/jobs", json={"command": ["sleep", "100"], "name": "s", "policy": policy}
+        )
+        assert refused.status_code == 400 and refused.json()["kind"] == "UsageError", refused.text
+    assert agent.api.get("/v1/jobs").json() == []  # nothing was started
+    started = agent.api.post(
+        "/v1/jobs", json={"command": ["sleep", "100"], "name": "s", "policy": {"priority": 3}}
+    )
+    assert started.status_code == 201 and started.json()["policy"]["priority"] == 3
+    assert started.json()["state"] == "running"
 
     torpor.run("run", "--name", "c", *python_job("counter.py"))
     bad = agent.api.put("/v1/jobs/c/policy", json={"checkpoint_every_s": 0.1})

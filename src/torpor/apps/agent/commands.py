@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from torpor.adapters import wake
 from torpor.apps.agent import care
 from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
@@ -147,15 +146,7 @@ def policy_changes(args: argparse.Namespace) -> dict[str, Any]:
 def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
     """The policy ``torpor run``'s flags ask for, checked before the job starts; None when none."""
     changes = policy_changes(args)
-    if not changes:
-        return None
-    policy = JobPolicy.from_dict({**JobPolicy().to_dict(), **changes})
-    problems = policy.problems()
-    if problems:
-        raise UsageError("; ".join(problems))
-    for port in policy.wake_on:
-        wake.check_port(port, [])
-    return policy
+    return care.new_policy(changes) if changes else None
 
 
 # -- commands ---------------------------------------------------------------------------------------------
