@@ -291,17 +291,7 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     site.mkdir()
     (site / "hello.txt").write_text("hello from a hibernated server\n")
     port = free_port()
-    server = [
-        "--",
-        sys.executable,
-        "-m",
-        "http.server",
-        "--bind",
-        "127.0.0.1",
-        "--directory",
-        str(site),
-        str(port),
-    ]
+    server = web_server(site, port)
     # a port someone else listens on is refused when the policy is set, naming who
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
@@ -335,6 +325,21 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     assert _get(url) == "hello from a hibernated server\n"  # and straight to the job from now on
 
 
+def web_server(folder: Path, port: int) -> list[str]:
+    """``torpor run``'s arguments for ``python -m http.server`` serving ``folder`` on 127.0.0.1:``port``."""
+    return [
+        "--",
+        sys.executable,
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(folder),
+        str(port),
+    ]
+
+
 def _get(url: str) -> str | None:
     try:
         return httpx.get(url, timeout=5).text
@@ -359,17 +364,7 @@ def test_a_person_resuming_a_job_whose_ports_the_agent_holds_gets_it_back_listen
     torpor: Torpor, agent: AgentProcess, tmp_path: Path
 ) -> None:
     port = free_port()
-    server = [
-        "--",
-        sys.executable,
-        "-m",
-        "http.server",
-        "--bind",
-        "127.0.0.1",
-        "--directory",
-        str(tmp_path),
-        str(port),
-    ]
+    server = web_server(tmp_path, port)
     torpor.run("run", "--name", "web", "--idle-after", "2s", "--wake-on", str(port), *server)
     agent.start("--round", "4s")  # (the last --round wins) no round comes to let go of the port in time
     agent.wait_event("hibernate", "web", timeout=60)
