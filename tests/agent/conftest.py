@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import TORPOR, Torpor
-from torpor.apps.agent.client import answers
+from torpor.apps.agent.locate import answers
 
 
 class AgentProcess:

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -263,3 +264,56 @@ def test_a_spot_notice_served_on_loopback_evacuates_every_job(
         assert [c["state"] for c in torpor.json("checkpoints", name)] == ["durable"]
     refused = torpor.run("run", "--name", "c", *python_job("counter.py"), check=False)
     assert refused.returncode == 2 and "being evacuated" in refused.stderr
+
+
+def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answer(
+    torpor: Torpor, agent: AgentProcess, tmp_path: Path
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "hello.txt").write_text("hello from a hibernated server\n")
+    port = free_port()
+    server = [
+        "--",
+        sys.executable,
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(site),
+        str(port),
+    ]
+    # a port someone else listens on is refused when the policy is set, naming who
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        refused = torpor.run(
+            "run", "--name", "web", "--idle-after", "2s", "--wake-on", str(port), *server, check=False
+        )
+        assert refused.returncode == 2 and f"port {port} is in use by process {os.getpid()}" in refused.stderr
+    torpor.run("run", "--name", "web", "--idle-after", "2s", "--wake-on", str(port), *server)
+    agent.start()
+    url = f"http://127.0.0.1:{port}/hello.txt"
+    torpor.wait_for(lambda: _get(url) is not None, 30, "the server to answer")
+    hibernated = agent.wait_event("hibernate", "web", timeout=60)
+    assert hibernated["reason"].startswith("idle") and "error" not in hibernated["detail"]
+    assert torpor.job("web")["state"] == "hibernated"
+    agent.wait_for(lambda: f"holding 127.0.0.1:{port}" in agent.log(), 30, "the agent to hold the port")
+    curl = subprocess.run(
+        ["curl", "-sS", "--max-time", "60", url], capture_output=True, text=True, timeout=90
+    )
+    assert curl.returncode == 0, curl.stderr
+    assert curl.stdout == "hello from a hibernated server\n"
+    woken = agent.wait_event("resume", "web", timeout=30)
+    assert woken["reason"] == f"a connection on 127.0.0.1:{port}"
+    assert woken["detail"]["relayed"] >= 1 and woken["detail"]["dropped"] == 0
+    assert torpor.job("web")["state"] == "running"
+    assert _get(url) == "hello from a hibernated server\n"  # and straight to the job from now on
+
+
+def _get(url: str) -> str | None:
+    try:
+        return httpx.get(url, timeout=5).text
+    except httpx.TransportError:
+        return None

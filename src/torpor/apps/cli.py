@@ -18,8 +18,7 @@ from torpor import __version__
 from torpor.adapters import system
 from torpor.apps import machine, slurm
 from torpor.apps.agent import commands as agent_commands
-from torpor.apps.agent.client import AgentClient, RemoteEngine
-from torpor.apps.agent.serve import socket_path
+from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, table
 from torpor.core.engine import Engine, JobStatus
@@ -380,7 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_checkpoints)
 
     p = add("stop", "stop a running job (SIGTERM, then SIGKILL); its checkpoints are kept")
-    p.add_argument("--timeout", type=float, help="seconds between SIGTERM and SIGKILL (default 5)")
+    p.add_argument(
+        "--timeout",
+        type=agent_commands.seconds,
+        metavar="DURATION",
+        help="time between SIGTERM and SIGKILL, e.g. 10s (a bare number is seconds; default 5s)",
+    )
     p.set_defaults(func=cmd_stop)
 
     p = add("pin", "keep a checkpoint whatever the retention (TORPOR_KEEP_LAST) says")
@@ -418,7 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "needs_settings", False):
             return int(args.func(settings, args))
         engine = Engine(settings)
-        if args.command_name in THROUGH_THE_AGENT:
+        if args.command_name in THROUGH_THE_AGENT and answers(socket_path(settings)):
+            from torpor.apps.agent.client import AgentClient, RemoteEngine
+
             client = AgentClient.if_running(socket_path(settings))
             if client is not None:
                 try:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from torpor.adapters import slurm
+from torpor.apps.agent.commands import seconds
 from torpor.core.engine import Engine
 from torpor.core.records import Checkpoint, Job, JobState
 from torpor.errors import TorporError, UsageError
@@ -501,9 +502,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--interval",
-        type=float,
-        metavar="S",
-        help="also checkpoint every S seconds (bounds a node crash's loss)",
+        type=seconds,
+        metavar="DURATION",
+        help="also checkpoint this often, e.g. 10m (a bare number is seconds; bounds a node crash's loss)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=cmd_run)

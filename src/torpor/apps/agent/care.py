@@ -6,11 +6,9 @@ without an agent): the policy is written to the records, where the agent reads i
 
 from __future__ import annotations
 
-import errno
-import socket
 from typing import Any
 
-from torpor.adapters import system
+from torpor.adapters import system, wake
 from torpor.core.records import Job, JobState, Records
 from torpor.errors import UsageError
 from torpor.policy.jobpolicy import JobPolicy
@@ -35,24 +33,5 @@ def set_policy(records: Records, name: str, changes: dict[str, Any]) -> JobPolic
 
 def check_wake_port(job: Job, port: int) -> None:
     """Refuse ``--wake-on PORT`` when another program listens on it: the agent could not hold it."""
-    if job.pid and job.state == JobState.RUNNING:
-        ours = {p for _, p in system.listening_sockets(system.namespace_members(job.pid))}
-        if port in ours:
-            return
-    check_free_port(port, f"while '{job.name}' sleeps")
-
-
-def check_free_port(port: int, when: str = "while the job sleeps") -> None:
-    """Refuse a port another program listens on (probed by binding it, as the agent will)."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(("0.0.0.0", port))
-    except OSError as exc:
-        if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-            raise
-        raise UsageError(
-            f"--wake-on {port}: another program listens on port {port}; the agent could not hold it {when}"
-        ) from None
-    finally:
-        probe.close()
+    pids = system.namespace_members(job.pid) if job.pid and job.state == JobState.RUNNING else []
+    wake.check_port(port, pids)

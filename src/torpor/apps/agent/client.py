@@ -9,15 +9,13 @@ message and exit code the CLI would have had embedded.
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from torpor.apps.agent import wire
+from torpor.apps.agent.locate import answers
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import Checkpoint, CheckpointId, Event, Job
@@ -236,17 +234,6 @@ class RemoteEngine:
         return self.client.remove(name, force)
 
 
-def answers(uds: Path) -> bool:
-    """Whether something accepts connections on the unix socket ``uds`` (a dead agent's file does not)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(5.0)
-        try:
-            probe.connect(str(uds))
-        except OSError:
-            return False
-    return True
-
-
 def _quoted(name: str) -> str:
     return httpx.URL(path=name).raw_path.decode()
 
@@ -272,13 +259,3 @@ def _validation_text(detail: Any) -> str:
 def _error(status: int, body: dict[str, Any]) -> AgentError:
     code = body.get("exit_code") or (2 if 400 <= status < 500 else 1)
     return AgentError(str(body.get("error")), [str(d) for d in body.get("details", [])], int(code))
-
-
-@contextmanager
-def connected(uds: Path) -> Iterator[AgentClient | None]:
-    client = AgentClient.if_running(uds)
-    try:
-        yield client
-    finally:
-        if client is not None:
-            client.close()

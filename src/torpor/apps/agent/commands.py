@@ -11,19 +11,23 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
+from torpor.adapters import wake
 from torpor.apps.agent import care
-from torpor.apps.agent.client import AgentClient, connected
-from torpor.apps.agent.serve import Listen, serve, socket_path
-from torpor.apps.agent.service import BY_DRAIN, Agent, AgentOptions
+from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
 from torpor.apps.render import emit_json, human_bytes, progress, table
 from torpor.core.records import Event, Records
 from torpor.errors import UsageError
-from torpor.policy.jobpolicy import JobPolicy, format_duration, parse_duration
+from torpor.policy.jobpolicy import JobPolicy, parse_duration
 from torpor.settings import Settings
+
+if TYPE_CHECKING:
+    from torpor.apps.agent.client import AgentClient
+    from torpor.apps.agent.service import Agent
 
 AddParser = Callable[..., argparse.ArgumentParser]
 
@@ -33,6 +37,17 @@ def duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds(text: str) -> float:
+    """A duration (``30s``, ``2m``) or, as these flags always took, a bare number of seconds (``0.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return duration(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is negative")
+    return value
 
 
 def optional_duration(text: str) -> float | None:
@@ -139,7 +154,7 @@ def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
     if problems:
         raise UsageError("; ".join(problems))
     for port in policy.wake_on:
-        care.check_free_port(port)
+        wake.check_port(port, [])
     return policy
 
 
@@ -147,6 +162,9 @@ def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
 
 
 def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
+    from torpor.apps.agent.serve import Listen, serve
+    from torpor.apps.agent.service import AgentOptions
+
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s torpor-agent %(levelname)s %(message)s",
@@ -173,7 +191,7 @@ def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_policy(settings: Settings, args: argparse.Namespace) -> int:
     records = Records(settings.db_path)
-    with connected(socket_path(settings)) as client:
+    with connected(settings) as client:
         if args.action == "set":
             changes = policy_changes(args)
             if not changes:
@@ -241,7 +259,7 @@ def _json_line(event: Event) -> str:
 
 def cmd_drain(settings: Settings, args: argparse.Namespace) -> int:
     show = progress(args)
-    with connected(socket_path(settings)) as client:
+    with connected(settings) as client:
         if args.cancel:
             resumed = client.undrain() if client else _embedded(settings, lambda agent: agent.undrain())
             if args.json:
@@ -254,7 +272,7 @@ def cmd_drain(settings: Settings, args: argparse.Namespace) -> int:
         else:
             show("no agent runs: evacuating from here")
             report = _embedded(
-                settings, lambda agent: agent.evacuate(args.why, BY_DRAIN, args.deadline).to_dict()
+                settings, lambda agent: agent.evacuate(args.why, "drain", args.deadline).to_dict()
             )
     if args.json:
         emit_json(report)
@@ -264,6 +282,8 @@ def cmd_drain(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _embedded(settings: Settings, work: Callable[[Agent], Any]) -> Any:
+    from torpor.apps.agent.service import Agent
+
     agent = Agent(settings)
     try:
         return work(agent)
@@ -392,4 +412,18 @@ def _path(text: str) -> Any:
     return Path(text)
 
 
-__all__ = ["AgentClient", "add_parsers", "add_policy_flags", "format_duration", "policy_for_run"]
+@contextmanager
+def connected(settings: Settings) -> Iterator[AgentClient | None]:
+    """A client of the state directory's agent, or None when none runs (httpx imported only then)."""
+    uds = socket_path(settings)
+    if not answers(uds):
+        yield None
+        return
+    from torpor.apps.agent.client import AgentClient
+
+    client = AgentClient.if_running(uds)
+    try:
+        yield client
+    finally:
+        if client is not None:
+            client.close()

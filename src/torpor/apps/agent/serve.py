@@ -26,7 +26,9 @@ import uvicorn
 
 from torpor.adapters import system
 from torpor.apps.agent.api import create_app
+from torpor.apps.agent.locate import socket_path
 from torpor.apps.agent.service import BY_SHUTDOWN, Agent, AgentOptions
+from torpor.apps.agent.waking import WakeKeeper
 from torpor.core.notices import NoticeWatcher
 from torpor.errors import EnvironmentProblem, UnsafePath, UsageError
 from torpor.settings import Settings
@@ -41,10 +43,6 @@ class Listen:
     host: str
     port: int
     token_file: Path
-
-
-def socket_path(settings: Settings) -> Path:
-    return settings.home / "agent.sock"
 
 
 def read_token(path: Path) -> str:
@@ -146,6 +144,8 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     rounds = threading.Thread(target=agent.loop, name="torpor-agent-rounds", daemon=True)
+    keeper = WakeKeeper(agent)
+    agent.round_hooks.append(keeper)
     watcher = None
     try:
         agent.adopt()
@@ -165,6 +165,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
         agent.stopping.set()
         if watcher is not None:
             watcher.stop()
+        keeper.close()
         for sock in sockets:
             sock.close()
         with contextlib.suppress(FileNotFoundError):

@@ -110,8 +110,6 @@ class Agent:
         self._actions = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torpor-agent-action")
         self._evacuating = threading.Lock()
         self.last_evacuation: EvacuationReport | None = None
-        #: jobs with a wake-on-connect listener (the holder's own type is the wake adapter's)
-        self.wake_hooks: dict[JobName, Any] = {}
         #: called each round with the jobs as read (the wake-on-connect keeper hooks in here)
         self.round_hooks: list[Callable[[list[Job], dict[JobName, Care]], None]] = []
 
@@ -225,6 +223,17 @@ class Agent:
                 return None
             self._busy[name] = action
         return self._actions.submit(self._act, name, action, reason, work)
+
+    def act_now(
+        self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
+    ) -> bool:
+        """Run ``work(name)`` in this thread unless the agent already works on ``name`` (then False)."""
+        with self._guard:
+            if name in self._busy or self.stopping.is_set():
+                return False
+            self._busy[name] = action
+        self._act(name, action, reason, work)
+        return True
 
     def _act(
         self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
