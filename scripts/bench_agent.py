@@ -424,9 +424,10 @@ def measure_memory(node: Node, sizes: list[int], repeat: int) -> list[MemorySamp
             )
             results.append(sample)
             say(
-                f"memory: {mib} MiB: freed_bytes {sample.freed_bytes / MIB:.0f} MiB, MemAvailable "
-                f"+{(at_event - before) / MIB:.0f} MiB at the event, +{(after - before) / MIB:.0f} MiB "
-                "once durable"
+                f"memory: {mib} MiB: freed_bytes {sample.freed_bytes / MIB:.0f} MiB; MemAvailable "
+                f"{(at_event - sample.available_before) / MIB:+.0f} MiB at the event, "
+                f"{(sample.available_after - sample.available_before) / MIB:+.0f} MiB after; AnonPages "
+                f"{sample.anon_delta / MIB:+.0f} MiB, page cache {sample.file_delta / MIB:+.0f} MiB"
             )
             node.remove(name)
     return results
