@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/python scripts/bench.py
 	$(BIN)/python scripts/bench_store.py
 	$(BIN)/python scripts/bench_slurm.py
+	$(BIN)/python scripts/bench_agent.py
 	$(BIN)/python scripts/bench_scheduler.py
 
 clean:

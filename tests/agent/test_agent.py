@@ -49,6 +49,17 @@ def test_one_agent_per_state_directory_and_bad_requests_are_4xx_with_a_message(
     assert agent.api.post("/v1/jobs/nope/checkpoint", json={}).status_code == 404
     assert agent.api.post("/v1/jobs", json={"command": []}).status_code == 422
     assert agent.api.post("/v1/jobs", json={"command": ["/no/such/program"]}).status_code == 400
+    for policy in ({"colour": "red"}, {"checkpoint_every_s": 0.1}, {"wake_on": [70000], "idle_after_s": 60}):
+        refused = agent.api.post(
+            "/v1/jobs", json={"command": ["sleep", "100"], "name": "s", "policy": policy}
+        )
+        assert refused.status_code == 400 and refused.json()["kind"] == "UsageError", refused.text
+    assert agent.api.get("/v1/jobs").json() == []  # nothing was started
+    started = agent.api.post(
+        "/v1/jobs", json={"command": ["sleep", "100"], "name": "s", "policy": {"priority": 3}}
+    )
+    assert started.status_code == 201 and started.json()["policy"]["priority"] == 3
+    assert started.json()["state"] == "running"
 
     torpor.run("run", "--name", "c", *python_job("counter.py"))
     bad = agent.api.put("/v1/jobs/c/policy", json={"checkpoint_every_s": 0.1})
@@ -280,17 +291,7 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     site.mkdir()
     (site / "hello.txt").write_text("hello from a hibernated server\n")
     port = free_port()
-    server = [
-        "--",
-        sys.executable,
-        "-m",
-        "http.server",
-        "--bind",
-        "127.0.0.1",
-        "--directory",
-        str(site),
-        str(port),
-    ]
+    server = web_server(site, port)
     # a port someone else listens on is refused when the policy is set, naming who
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
@@ -324,6 +325,21 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     assert _get(url) == "hello from a hibernated server\n"  # and straight to the job from now on
 
 
+def web_server(folder: Path, port: int) -> list[str]:
+    """``torpor run``'s arguments for ``python -m http.server`` serving ``folder`` on 127.0.0.1:``port``."""
+    return [
+        "--",
+        sys.executable,
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(folder),
+        str(port),
+    ]
+
+
 def _get(url: str) -> str | None:
     try:
         return httpx.get(url, timeout=5).text
@@ -348,17 +364,7 @@ def test_a_person_resuming_a_job_whose_ports_the_agent_holds_gets_it_back_listen
     torpor: Torpor, agent: AgentProcess, tmp_path: Path
 ) -> None:
     port = free_port()
-    server = [
-        "--",
-        sys.executable,
-        "-m",
-        "http.server",
-        "--bind",
-        "127.0.0.1",
-        "--directory",
-        str(tmp_path),
-        str(port),
-    ]
+    server = web_server(tmp_path, port)
     torpor.run("run", "--name", "web", "--idle-after", "2s", "--wake-on", str(port), *server)
     agent.start("--round", "4s")  # (the last --round wins) no round comes to let go of the port in time
     agent.wait_event("hibernate", "web", timeout=60)

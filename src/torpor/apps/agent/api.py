@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -30,7 +31,6 @@ from torpor.apps.agent.service import BY_DRAIN, Agent
 from torpor.core.context import Progress
 from torpor.errors import CheckpointNotFound as NoCheckpoint
 from torpor.errors import JobNotFound, TorporError, UsageError, WrongState
-from torpor.policy.jobpolicy import JobPolicy
 
 NDJSON = "application/x-ndjson"
 
@@ -75,7 +75,13 @@ def status_of(error: TorporError) -> int:
 
 
 def error_body(error: TorporError) -> dict[str, Any]:
-    return {"error": error.message, "details": list(error.details), "exit_code": error.exit_code}
+    kind = str(error.to_dict()["error"])  # the class the client rebuilds (its nearest public one)
+    return {
+        "error": error.message,
+        "details": list(error.details),
+        "exit_code": error.exit_code,
+        "kind": kind,
+    }
 
 
 def create_app(agent: Agent, token: str | None = None) -> FastAPI:
@@ -113,8 +119,6 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
         """The agent's version, pid, state directory, and whether the node drains."""
-        import os
-
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -132,11 +136,10 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     @app.post("/v1/jobs", status_code=201)
     def run(body: RunRequest) -> dict[str, Any]:
         """Start a job (with the agent's environment) and set its policy."""
-        if body.policy:
-            JobPolicy.from_dict(body.policy)  # a bad field is refused before anything starts
+        policy = care.new_policy(body.policy) if body.policy else None  # refused before anything starts
         job = engine.run(body.name, body.command, body.cwd)
-        if body.policy:
-            care.set_policy(records, job.name, body.policy)
+        if policy is not None:
+            records.set_policy(job.name, policy)
         return job_dict(job.name)
 
     @app.get("/v1/jobs/{name}")

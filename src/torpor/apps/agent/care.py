@@ -31,6 +31,20 @@ def set_policy(records: Records, name: str, changes: dict[str, Any]) -> JobPolic
     return merged
 
 
+def new_policy(changes: dict[str, Any]) -> JobPolicy:
+    """The policy of a job about to start (the defaults with ``changes``), checked in full first."""
+    try:
+        policy = JobPolicy.from_dict({**JobPolicy().to_dict(), **changes})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"bad policy: {exc}") from None
+    problems = policy.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    for port in policy.wake_on:
+        wake.check_port(port, [])
+    return policy
+
+
 def check_wake_port(job: Job, port: int) -> None:
     """Refuse ``--wake-on PORT`` when another program listens on it: the agent could not hold it."""
     pids = system.namespace_members(job.pid) if job.pid and job.state == JobState.RUNNING else []

@@ -2,8 +2,8 @@
 
 ``AgentClient`` speaks to the unix socket of a state directory (or a TCP address with a token) and
 returns torpor's own types (:class:`~torpor.core.records.Job`, :class:`~torpor.core.records.Checkpoint`,
-:class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as a :class:`AgentError` with the
-message and exit code the CLI would have had embedded.
+:class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as the error the engine raised there,
+with the message and exit code the CLI would have had embedded.
 """
 
 from __future__ import annotations
@@ -14,22 +14,15 @@ from typing import Any
 
 import httpx
 
+from torpor import errors
 from torpor.apps.agent import wire
 from torpor.apps.agent.locate import answers
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import Checkpoint, CheckpointId, Event, Job
 from torpor.core.store import StoredImage
-from torpor.errors import TorporError
+from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy.jobpolicy import JobPolicy
-
-
-class AgentError(TorporError):
-    """An error the agent answered with (its message, details and exit code)."""
-
-    def __init__(self, message: str, details: list[str] | None = None, exit_code: int = 1) -> None:
-        super().__init__(message, details=details or [])
-        self.exit_code = exit_code
 
 
 class AgentClient:
@@ -70,7 +63,7 @@ class AgentClient:
         try:
             reply = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise AgentError(f"the agent did not answer ({exc})", exit_code=7) from None
+            raise EnvironmentProblem(f"the agent did not answer ({exc})") from None
         if reply.is_success:
             return reply.json()
         raise _error(reply.status_code, _body(reply))
@@ -97,8 +90,8 @@ class AgentClient:
                     elif "error" in item:
                         raise _error(item.get("status", 500), item["error"])
         except httpx.TransportError as exc:
-            raise AgentError(f"the agent stopped answering ({exc})", exit_code=7) from None
-        raise AgentError("the agent ended its answer without a result", exit_code=7)
+            raise EnvironmentProblem(f"the agent stopped answering ({exc})") from None
+        raise EnvironmentProblem("the agent ended its answer without a result")
 
     def health(self) -> dict[str, Any]:
         return dict(self._json("GET", "/v1/health"))
@@ -256,6 +249,12 @@ def _validation_text(detail: Any) -> str:
     return str(detail)
 
 
-def _error(status: int, body: dict[str, Any]) -> AgentError:
-    code = body.get("exit_code") or (2 if 400 <= status < 500 else 1)
-    return AgentError(str(body.get("error")), [str(d) for d in body.get("details", [])], int(code))
+def _error(status: int, body: dict[str, Any]) -> TorporError:
+    """The agent's error as the class the engine raised (its exit code with it); FastAPI's own (a body of
+    the wrong shape, 422) and a refused token (401) as bad input."""
+    details = [str(d) for d in body.get("details", [])]
+    if "kind" in body:
+        return errors.from_dict({"error": body["kind"], "message": body.get("error"), "details": details})
+    if 400 <= status < 500:
+        return UsageError(str(body.get("error")), details=details)
+    return TorporError(str(body.get("error")), details=details)

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from torpor.adapters import wake
 from torpor.apps.agent import care
 from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
@@ -75,55 +74,45 @@ def add_policy_flags(p: argparse.ArgumentParser, for_run: bool) -> None:
     off = "" if for_run else " ('off' removes it)"
     kind = duration if for_run else optional_duration
     flags = p.add_argument_group("what the agent does for the job by itself (docs/agent.md)")
-    flags.add_argument(
-        "--checkpoint-every",
-        type=kind,
-        metavar="DURATION",
-        help=f"checkpoint the job this often, e.g. 10m{off}",
-        default=argparse.SUPPRESS,
-    )
-    flags.add_argument(
-        "--budget",
-        type=share,
-        metavar="SHARE",
-        help="the share of its time checkpoints may freeze it (default 2%%)",
-        default=argparse.SUPPRESS,
-    )
-    flags.add_argument(
-        "--keep",
-        type=int,
-        metavar="N",
-        help="keep its newest N checkpoints (default: the store's keep_last)",
-        default=argparse.SUPPRESS,
-    )
-    flags.add_argument(
-        "--idle-after",
-        type=kind,
-        metavar="DURATION",
-        help=f"hibernate it once it used no CPU this long{off}",
-        default=argparse.SUPPRESS,
-    )
-    flags.add_argument(
-        "--wake-on",
-        type=int,
-        action="append",
-        metavar="PORT",
-        help="while it sleeps, a connection to this TCP port resumes it (repeatable)",
-        default=argparse.SUPPRESS,
-    )
-    if not for_run:
-        flags.add_argument(
-            "--no-wake-on",
-            action="store_true",
-            help="listen on no port for it any more",
-            default=argparse.SUPPRESS,
-        )
-    flags.add_argument(
-        "--priority",
-        type=int,
-        help="higher is saved first when the node is evacuated (default 0)",
-        default=argparse.SUPPRESS,
-    )
+    for flag, options in (
+        (
+            "--checkpoint-every",
+            {"type": kind, "metavar": "DURATION", "help": f"checkpoint the job this often, e.g. 10m{off}"},
+        ),
+        (
+            "--budget",
+            {
+                "type": share,
+                "metavar": "SHARE",
+                "help": "the share of its time checkpoints may freeze it (default 2%%)",
+            },
+        ),
+        (
+            "--keep",
+            {
+                "type": int,
+                "metavar": "N",
+                "help": "keep its newest N checkpoints (default: the store's keep_last)",
+            },
+        ),
+        (
+            "--idle-after",
+            {"type": kind, "metavar": "DURATION", "help": f"hibernate it once it used no CPU this long{off}"},
+        ),
+        (
+            "--wake-on",
+            {
+                "type": int,
+                "action": "append",
+                "metavar": "PORT",
+                "help": "while it sleeps, a connection to this TCP port resumes it (repeatable)",
+            },
+        ),
+        ("--no-wake-on", {"action": "store_true", "help": "listen on no port for it any more"}),
+        ("--priority", {"type": int, "help": "higher is saved first when the node is evacuated (default 0)"}),
+    ):
+        if flag != "--no-wake-on" or not for_run:
+            flags.add_argument(flag, default=argparse.SUPPRESS, **options)
 
 
 _FIELDS = {
@@ -147,15 +136,7 @@ def policy_changes(args: argparse.Namespace) -> dict[str, Any]:
 def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
     """The policy ``torpor run``'s flags ask for, checked before the job starts; None when none."""
     changes = policy_changes(args)
-    if not changes:
-        return None
-    policy = JobPolicy.from_dict({**JobPolicy().to_dict(), **changes})
-    problems = policy.problems()
-    if problems:
-        raise UsageError("; ".join(problems))
-    for port in policy.wake_on:
-        wake.check_port(port, [])
-    return policy
+    return care.new_policy(changes) if changes else None
 
 
 # -- commands ---------------------------------------------------------------------------------------------
