@@ -8,11 +8,13 @@ is carried out by this process).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torpor.apps.agent import care
@@ -235,8 +237,6 @@ def cmd_events(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _json_line(event: Event) -> str:
-    import json
-
     return json.dumps(event_to_dict(event), default=str)
 
 
@@ -306,7 +306,7 @@ def add_parsers(sub: Any, add: AddParser) -> None:
     )
     p.add_argument(
         "--token-file",
-        type=_path,
+        type=Path,
         metavar="FILE",
         help="the bearer token TCP requests must bring (a 0600 file)",
     )
@@ -387,12 +387,6 @@ def add_parsers(sub: Any, add: AddParser) -> None:
         "--cancel", action="store_true", help="take new jobs again and resume what the drain hibernated"
     )
     p.set_defaults(func=cmd_drain, needs_settings=True)
-
-
-def _path(text: str) -> Any:
-    from pathlib import Path
-
-    return Path(text)
 
 
 @contextmanager
