@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchdoc import DOC, dir_bytes, median, say, wait_for, write_section
+from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, say, wait_for, write_section
 
 from torpor.adapters import system
 from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu
@@ -424,17 +424,9 @@ def raw_dump_of(criu: Path, work: Path, pid: int, tag: str) -> tuple[float, floa
 
 
 def machine(criu: Criu) -> list[tuple[str, str]]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = "unknown"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) * 1024 / GIB:.1f} GiB"
+    cpu = cpu_model() or "unknown"
+    total = memory_total()
+    mem = "unknown" if total is None else f"{total / GIB:.1f} GiB"
     distro = "unknown"
     with contextlib.suppress(OSError):
         for line in Path("/etc/os-release").read_text().splitlines():

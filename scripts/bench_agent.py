@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchdoc import DOC, median, say, write_section
+from benchdoc import DOC, cpu_model, median, memory_total, say, write_section
 
 from torpor.apps.agent.client import AgentClient, answers
 from torpor.core.engine import Engine
@@ -570,16 +570,8 @@ def measure_training(node: Node, seconds: float, warmup: float, repeat: int) -> 
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    total = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            total = int(line.split()[1]) * 1024
+    cpu = cpu_model() or "unknown CPU"
+    total = memory_total() or 0
     return f"{platform.node()} ({os.cpu_count()} cores, {cpu}, {total / GIB:.1f} GiB, kernel {platform.release()})"
 
 

@@ -24,7 +24,6 @@ usage: bench_scheduler.py [--queued N] [--repeat N] [--no-doc]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import random
@@ -36,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchdoc import DOC, say, write_section
+from benchdoc import DOC, cpu_model, say, write_section
 
 from torpor.policy.scheduler import Job, Pressure, Project, Rules, Snapshot, State, decide
 
@@ -120,12 +119,7 @@ def measure(snapshot: Snapshot, repeat: int) -> tuple[list[float], list[float], 
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_model() or "unknown CPU"
     return f"{platform.node()} ({cpu}, {os.cpu_count()} CPUs), Python {platform.python_version()}"
 
 

@@ -4,6 +4,7 @@ and a few small helpers. Imported by ``scripts/bench*.py``, which run with this 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -61,3 +62,21 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def cpu_model() -> str | None:
+    """The processor's model name, from /proc/cpuinfo; None when it says none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def memory_total() -> int | None:
+    """The machine's memory in bytes (MemTotal of /proc/meminfo); None when it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
