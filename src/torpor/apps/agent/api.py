@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from torpor import __version__
 from torpor.apps.agent import care, metrics, web, wire
-from torpor.apps.agent.service import BY_DRAIN, Agent
+from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
 from torpor.core.context import Progress
 from torpor.errors import CheckpointNotFound as NoCheckpoint
 from torpor.errors import JobNotFound, TorporError, UsageError, WrongState
@@ -151,15 +151,18 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         """Checkpoint (or hibernate) a running job; with ``wait``, until its image is durable."""
 
         def work(progress: Progress, warn: Progress) -> dict[str, Any]:
-            before = engine.status(name).rss_bytes
+            # what a hibernation frees (the tree's PSS: a page-table walk, so not for a checkpoint)
+            before = engine.status(name).rss_bytes if body.hibernate else None
             taken = engine.checkpoint(
                 name, hibernate=body.hibernate, progress=progress, warn=warn, ext_unix_sk=body.ext_unix_sk
             )
+            result: dict[str, Any] = wire.checkpoint_to_dict(taken)
+            costs = checkpoint_costs(taken)
             if body.hibernate:
                 records.mark_hibernated(taken.job, None)  # a person's: not the agent's to bring back
-            result: dict[str, Any] = {**wire.checkpoint_to_dict(taken), "freed_rss_bytes": before}
+                result["freed_rss_bytes"] = costs["freed_bytes"] = before
             verb = "hibernate" if body.hibernate else "checkpoint"
-            agent.event(taken.job, verb, "asked through the API", **_costs(result))
+            agent.event(taken.job, verb, "asked through the API", **costs)
             if body.wait:
                 image = engine.wait_durable(taken.id, progress=progress)
                 result.update(durable=True, stored_bytes=image.stored_bytes)
@@ -248,10 +251,6 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         app, lambda: engine, records.events, lambda: {n: c.policy for n, c in records.cares().items()}
     )
     return app
-
-
-def _costs(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: result[k] for k in ("freeze_s", "total_s", "size_bytes", "freed_rss_bytes") if k in result}
 
 
 def _answer(request: Request, work: Callable[[Progress, Progress], dict[str, Any]]) -> Any:

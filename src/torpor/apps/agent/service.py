@@ -200,8 +200,9 @@ class Agent:
                 self.submit(job.name, "hibernate", reason, self._hibernate_idle)
                 return
         if policy.checkpoint_every_s is not None:
-            freezes = [c.freeze_s for c in self.records.checkpoints(job.name)]
-            latest = self.records.latest_checkpoint(job.name)
+            checkpoints = self.records.checkpoints(job.name)
+            freezes = [c.freeze_s for c in checkpoints]
+            latest = checkpoints[-1] if checkpoints else None
             running_since = job.started_at or job.created_at
             tried = [t for t in (latest.created_at if latest else None, self._tried_at.get(job.name)) if t]
             due = periodic.next_due(
@@ -268,7 +269,7 @@ class Agent:
         freezes = [
             c.freeze_s for c in self.records.checkpoints(name) if c.created_at >= (job.started_at or 0)
         ]
-        return {**_costs(checkpoint), "overhead": periodic.overhead(freezes, running_s)}
+        return {**checkpoint_costs(checkpoint), "overhead": periodic.overhead(freezes, running_s)}
 
     def _watch_durable(self, checkpoint: Checkpoint) -> None:
         """Record when ``checkpoint`` is durable (a ``durable`` event with its time from the dump), aside."""
@@ -307,7 +308,7 @@ class Agent:
         listened = wake_addresses(pids, policy.wake_on)
         checkpoint = self.hibernate(name, "idle", listened)
         self._watch_durable(checkpoint)
-        return {**_costs(checkpoint), "freed_bytes": freed}
+        return {**checkpoint_costs(checkpoint), "freed_bytes": freed}
 
     def _resume(self, name: JobName) -> dict[str, Any]:
         job, checkpoint, seconds = self.engine.restore(name, warn=lambda t: log.warning("%s: %s", name, t))
@@ -423,7 +424,7 @@ class Agent:
             job = self.records.job(name)
         if job.state == JobState.RUNNING:
             checkpoint = self.hibernate(name, by)
-            self.event(name, "hibernate", f"evacuation ({by})", **_costs(checkpoint))
+            self.event(name, "hibernate", f"evacuation ({by})", **checkpoint_costs(checkpoint))
         else:  # hibernated already: only its image may still be on its way to the durable tier
             latest = self.records.latest_checkpoint(name)
             if latest is None or job.state != JobState.HIBERNATED:
@@ -496,7 +497,8 @@ def _short(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _costs(checkpoint: Checkpoint) -> dict[str, Any]:
+def checkpoint_costs(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What an event of a checkpoint records of it: which one, and its freeze, total time and size."""
     return {
         "checkpoint": checkpoint.id,
         "freeze_s": checkpoint.freeze_s,

@@ -15,8 +15,7 @@ from torpor.core.store import StoredImage
 
 
 def status_to_dict(status: JobStatus, care: Care | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = asdict(status.job)
-    data["state"] = str(status.job.state)
+    data = job_to_dict(status.job)
     data["rss_bytes"] = status.rss_bytes
     data["last_checkpoint"] = checkpoint_to_dict(status.last_checkpoint) if status.last_checkpoint else None
     if care is not None:
