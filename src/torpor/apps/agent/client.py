@@ -99,10 +99,6 @@ class AgentClient:
     def jobs(self) -> list[JobStatus]:
         return [wire.status_from_dict(d) for d in self._json("GET", "/v1/jobs")]
 
-    def jobs_raw(self) -> list[dict[str, Any]]:
-        """Every job as the API sends it (the status, its policy and why the agent hibernated it)."""
-        return list(self._json("GET", "/v1/jobs"))
-
     def job(self, name: str) -> JobStatus:
         return wire.status_from_dict(self._json("GET", f"/v1/jobs/{_quoted(name)}"))
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from torpor.core.engine import JobStatus
 from torpor.core.records import Care, Checkpoint, CheckpointId, CheckpointKind, Event, Job, JobName, JobState
-from torpor.core.store import StoredImage
 
 
 def status_to_dict(status: JobStatus, care: Care | None = None) -> dict[str, Any]:
@@ -48,14 +47,6 @@ def checkpoint_from_dict(data: dict[str, Any]) -> Checkpoint:
     values["job"] = JobName(values["job"])
     values["kind"] = CheckpointKind(values["kind"])
     return Checkpoint(**values)
-
-
-def image_to_dict(image: StoredImage) -> dict[str, Any]:
-    return asdict(image)
-
-
-def image_from_dict(data: dict[str, Any]) -> StoredImage:
-    return StoredImage(**{f.name: data[f.name] for f in fields(StoredImage) if f.name in data})
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:
