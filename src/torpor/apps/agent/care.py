@@ -18,13 +18,7 @@ def set_policy(records: Records, name: str, changes: dict[str, Any]) -> JobPolic
     """Merge ``changes`` (fields of :class:`JobPolicy`, ``None`` unsets one) into ``name``'s policy."""
     job = records.job(name)
     current = records.care(job.name).policy
-    try:
-        merged = JobPolicy.from_dict({**current.to_dict(), **changes})
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"bad policy for '{name}': {exc}") from None
-    problems = merged.problems()
-    if problems:
-        raise UsageError(f"cannot set that policy on '{name}': " + "; ".join(problems))
+    merged = _merged(current, changes, f" for '{name}'", f"cannot set that policy on '{name}': ")
     for port in set(merged.wake_on) - set(current.wake_on):
         check_wake_port(job, port)
     records.set_policy(job.name, merged)
@@ -33,16 +27,22 @@ def set_policy(records: Records, name: str, changes: dict[str, Any]) -> JobPolic
 
 def new_policy(changes: dict[str, Any]) -> JobPolicy:
     """The policy of a job about to start (the defaults with ``changes``), checked in full first."""
-    try:
-        policy = JobPolicy.from_dict({**JobPolicy().to_dict(), **changes})
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"bad policy: {exc}") from None
-    problems = policy.problems()
-    if problems:
-        raise UsageError("; ".join(problems))
+    policy = _merged(JobPolicy(), changes, "", "")
     for port in policy.wake_on:
         wake.check_port(port, [])
     return policy
+
+
+def _merged(base: JobPolicy, changes: dict[str, Any], whose: str, refusal: str) -> JobPolicy:
+    """``base`` with ``changes``, refused (UsageError) if a field is unknown or the policy impossible."""
+    try:
+        merged = JobPolicy.from_dict({**base.to_dict(), **changes})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"bad policy{whose}: {exc}") from None
+    problems = merged.problems()
+    if problems:
+        raise UsageError(refusal + "; ".join(problems))
+    return merged
 
 
 def check_wake_port(job: Job, port: int) -> None:
