@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TORPOR, MountTmpfs, OutsideUnixServer, Torpor, python_job
-from torpor.adapters import system
+from torpor.adapters import criu, system
+from torpor.errors import CheckpointFailed, StorageFull
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,6 +149,27 @@ def test_disk_full_while_dumping(torpor: Torpor, tmpfs: MountTmpfs) -> None:
         assert_running_not_frozen(full, "big")
     finally:
         full.run("rm", "--force", "big", check=False)
+
+
+@pytest.mark.root("mounting a tmpfs")
+def test_a_dump_failing_on_a_full_disk_whose_log_was_cut_is_no_space_left(tmpfs: MountTmpfs) -> None:
+    # CRIU writes its log on the same file system: when it fills, the log may stop before saying why
+    small = tmpfs("cut", "size=2m")
+    images = small / "images"
+    images.mkdir()
+    log = small / "dump.log"
+    log.write_text("(00.448695) Error (criu/page-xfer.c:263):")
+    with (small / "filler").open("wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"x" * 65536)
+        except OSError:
+            pass
+    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    assert isinstance(error, StorageFull) and "no space left" in str(error), error
+    (small / "filler").unlink()
+    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    assert isinstance(error, CheckpointFailed) and "criu dump failed" in str(error), error
 
 
 @pytest.mark.criu

@@ -27,6 +27,7 @@ from torpor.errors import (
     JobExited,
     RestoreFailed,
     StorageFull,
+    TorporError,
 )
 
 MIN_VERSION = (4, 2)
@@ -103,6 +104,43 @@ def log_excerpt(log_path: Path, limit: int = 12) -> list[str]:
             seen.add(key)
             unique.append(line)
     return unique[-limit:]
+
+
+FULL_BELOW = 1 << 20
+"""A file system with less free space than this (1 MiB) is taken for the reason a dump writing there failed."""
+
+
+def _full(*paths: Path) -> bool:
+    for path in paths:
+        try:
+            if system.disk_free(path) < FULL_BELOW:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def dump_failure(pid: int, images_dir: Path, log_path: Path, status: int, output: str) -> TorporError:
+    """The error a dump of ``pid`` that exited with ``status`` failed with, from its log and the disk."""
+    details = log_excerpt(log_path) or [output.strip()]
+    text = "\n".join(details)
+    # on a full file system CRIU's own log, written there too, may be cut before it says why
+    if "No space left on device" in text or "ENOSPC" in text or _full(images_dir, log_path.parent):
+        return StorageFull(
+            f"no space left on the device of {images_dir.parent} while dumping: free space there"
+            " or move TORPOR_HOME",
+            details=details,
+        )
+    if not Path(f"/proc/{pid}").exists():
+        return JobExited("the job exited while it was being checkpointed", details=details)
+    if refusal := _dump_refusal(details):
+        return CheckpointFailed(f"{refusal}; the job was left running", details=details)
+    external = external_socket_problem(log_path)
+    if external is not None:
+        return CheckpointFailed(external, details=details)
+    return CheckpointFailed(
+        f"criu dump failed (exit status {status}); the job was left running", details=details
+    )
 
 
 def external_socket_problem(log_path: Path) -> str | None:
@@ -413,25 +451,7 @@ class Criu:
         )[1:]
         out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:
-            details = log_excerpt(log_path) or [(out.stderr or out.stdout).strip()]
-            text = "\n".join(details)
-            if "No space left on device" in text or "ENOSPC" in text:
-                raise StorageFull(
-                    f"no space left on the device of {images_dir.parent} while dumping: free space there"
-                    " or move TORPOR_HOME",
-                    details=details,
-                )
-            if not Path(f"/proc/{pid}").exists():
-                raise JobExited("the job exited while it was being checkpointed", details=details)
-            if refusal := _dump_refusal(details):
-                raise CheckpointFailed(f"{refusal}; the job was left running", details=details)
-            external = external_socket_problem(log_path)
-            if external is not None:
-                raise CheckpointFailed(external, details=details)
-            raise CheckpointFailed(
-                f"criu dump failed (exit status {out.returncode}); the job was left running",
-                details=details,
-            )
+            raise dump_failure(pid, images_dir, log_path, out.returncode, out.stderr or out.stdout)
         return read_dump_stats(images_dir)
 
     def start_lazy_pages(
