@@ -588,6 +588,12 @@ def has_capability(cap: int) -> bool | None:
     return None if match is None else bool(int(match.group(1), 16) >> cap & 1)
 
 
+def join_cgroup(folder: Path) -> None:
+    """Move the calling process into the cgroup ``folder`` (v1 or v2: both take a pid in ``cgroup.procs``)."""
+    with open(folder / "cgroup.procs", "w") as procs:
+        procs.write(str(os.getpid()))
+
+
 def disk_free(path: Path) -> int:
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize

@@ -88,11 +88,23 @@ class Engine:
 
     # -- run ------------------------------------------------------------------------------------------
 
-    def run(self, name: str | None, command: list[str], cwd: str) -> Job:
+    def run(
+        self,
+        name: str | None,
+        command: list[str],
+        cwd: str,
+        *,
+        env: dict[str, str] | None = None,
+        umask: int | None = None,
+        cgroup: Path | None = None,
+    ) -> Job:
+        """Start ``command`` as a new job; with ``env``/``umask``, in those instead of the caller's (the
+        agent starting a submitted job), with ``cgroup``, in that cgroup folder."""
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         self.refuse_if_draining("start a job")
-        program = shutil.which(command[0], path=os.environ.get("PATH") if "/" not in command[0] else None)
+        search = (env if env is not None else os.environ).get("PATH")
+        program = shutil.which(command[0], path=search if "/" not in command[0] else None)
         if program is None:
             raise UsageError(f"command not found: {command[0]}")
         if name is None:
@@ -105,7 +117,15 @@ class Engine:
         command = torchrun.without_libuv(command, interpreter) or command
         job = self.records.create_job(job_name, command, cwd, str(job_dir / "output.log"))
         try:
-            self._start_launcher(job_name, LaunchMode.START).release()
+            spec = LaunchSpec(
+                self.settings.to_dict(),
+                job_name,
+                LaunchMode.START,
+                env,
+                umask,
+                None if cgroup is None else str(cgroup),
+            )
+            start_launcher(spec, job_dir / "launcher.log").release()
         except TorporError:
             if self.records.job(job_name).state == JobState.STARTING:
                 self.records.transition(job_name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())

@@ -45,6 +45,14 @@ class LaunchSpec:
     settings_dict: dict[str, Any]
     job: JobName
     mode: LaunchMode
+    #: a start's environment and umask, when not the caller's own (a job the agent starts for a
+    #: ``torpor submit`` runs with its submitter's); None: inherited from the launcher's caller
+    env: dict[str, str] | None = None
+    umask: int | None = None
+    #: a start's cgroup folder (the scheduler's per-job memory cgroup): the job's first process joins it
+    #: before it runs, so that everything the job allocates is counted there (a restore needs none: CRIU
+    #: puts the restored tree back into the cgroups it was dumped from)
+    cgroup: str | None = None
 
     def settings(self) -> Settings:
         return Settings.from_dict(self.settings_dict)
@@ -55,7 +63,14 @@ class LaunchSpec:
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:
         data = json.loads(text)
-        return cls(data["settings_dict"], JobName(data["job"]), LaunchMode(data["mode"]))
+        return cls(
+            data["settings_dict"],
+            JobName(data["job"]),
+            LaunchMode(data["mode"]),
+            data.get("env"),
+            data.get("umask"),
+            data.get("cgroup"),
+        )
 
 
 @dataclass(frozen=True)

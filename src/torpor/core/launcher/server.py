@@ -51,6 +51,8 @@ class Launcher:
         self.restore = restore
         self.ctx = Context(spec.settings())
         self.job_umask = umask if self.ctx.settings.job_umask is None else self.ctx.settings.job_umask
+        if spec.umask is not None:
+            self.job_umask = spec.umask
         self.job = self.ctx.records.job(spec.job)
         self.lock = threading.Lock()  # one operation at a time, and the waiter waits for it
         self.pid: int | None = None
@@ -70,6 +72,14 @@ class Launcher:
             try:
                 os.close(pid_r)
                 os.close(exec_r)
+                if self.spec.cgroup:  # the job's processes, forked from here, are all counted there
+                    try:
+                        system.join_cgroup(Path(self.spec.cgroup))
+                    except OSError as exc:
+                        os.write(
+                            exec_w, f"cannot join its cgroup {self.spec.cgroup}: {exc.strerror}".encode()
+                        )
+                        raise
                 system.unshare_job_namespaces()
                 child = os.fork()
                 if child == 0:
@@ -86,7 +96,8 @@ class Launcher:
         with os.fdopen(exec_r, "rb") as pipe:
             failure = pipe.read()
         if not text:
-            raise JobStartFailed("could not start the job: creating its PID and IPC namespaces failed")
+            why = failure.decode(errors="replace") or "creating its PID and IPC namespaces failed"
+            raise JobStartFailed(f"could not start the job: {why}")
         pid = int(text)
         if failure:
             with contextlib.suppress(ChildProcessError):
@@ -107,7 +118,9 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
                 signal.signal(sig, signal.SIG_DFL)
             os.umask(self.job_umask)  # torpor's own is private; the job creates files as its caller would
-            os.execvp(self.job.command[0], self.job.command)
+            if self.spec.env is None:
+                os.execvp(self.job.command[0], self.job.command)
+            os.execvpe(self.job.command[0], self.job.command, self.spec.env)
         except OSError as exc:
             os.write(exec_w, (exc.strerror or str(exc)).encode())
         os._exit(127)
