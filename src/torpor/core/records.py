@@ -128,6 +128,32 @@ CREATE TABLE IF NOT EXISTS policies (
     hibernated_by TEXT,
     listened TEXT
 );
+-- what 'torpor submit' asked for: the job's request and how to start it; kept while the job lives (its
+-- jobs row exists from its first start on): the scheduler's marks on it are here too
+CREATE TABLE IF NOT EXISTS submissions (
+    name TEXT PRIMARY KEY,
+    command TEXT NOT NULL,
+    cwd TEXT NOT NULL,
+    env TEXT NOT NULL,
+    umask INTEGER NOT NULL,
+    memory INTEGER NOT NULL,
+    cpus REAL NOT NULL,
+    priority INTEGER NOT NULL,
+    project TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    waited_s REAL NOT NULL DEFAULT 0,
+    room_for TEXT,
+    hibernated_at REAL,
+    usage_at_hibernation INTEGER,
+    mem_limit INTEGER,
+    why TEXT
+);
+CREATE TABLE IF NOT EXISTS quotas (
+    project TEXT PRIMARY KEY,
+    share INTEGER NOT NULL,
+    borrow_limit INTEGER
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
@@ -148,6 +174,59 @@ class Care:
     hibernated_by: str | None = None
     #: the TCP addresses the job listened on when it was hibernated, ``[host, port]`` each
     listened: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A job given to the scheduler with ``torpor submit``: what it asked for, and the scheduler's marks.
+
+    It exists before the job does (while it is queued: no jobs row yet) and goes with the job (``rm``).
+    """
+
+    name: JobName
+    command: list[str]
+    cwd: str
+    #: the submitter's environment and umask: the agent starts the job in them, not in its own
+    env: dict[str, str]
+    umask: int
+    #: bytes it asked for (``--memory``): what admission and quotas count
+    memory: int
+    cpus: float
+    priority: int
+    project: str
+    submitted_at: float
+    #: when the agent first started it (None: still queued)
+    started_at: float | None = None
+    #: seconds it waited before its current wait (its aging credit: policy.scheduler.Job.waited_s)
+    waited_s: float = 0.0
+    #: the job this one was hibernated to make room for, until that one starts
+    room_for: str | None = None
+    #: when the scheduler hibernated it, and its memory then (what it will need back)
+    hibernated_at: float | None = None
+    usage_at_hibernation: int | None = None
+    #: the memory limit of its cgroup, in bytes (None: none set)
+    mem_limit: int | None = None
+    #: the scheduler's last word on it: why it waits, or why it was hibernated
+    why: str | None = None
+
+    @property
+    def queued(self) -> bool:
+        return self.started_at is None
+
+
+#: the fields of a submission the scheduler changes as it goes (:meth:`Records.update_submission`)
+SUBMISSION_MARKS = frozenset(
+    {"started_at", "waited_s", "room_for", "hibernated_at", "usage_at_hibernation", "mem_limit", "why"}
+)
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A project's guaranteed share of the node's memory budget, and how much more it may borrow (None: any)."""
+
+    project: str
+    share: int
+    borrow_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +302,11 @@ class Records:
                 raise UsageError(
                     f"a job named '{name}' already exists: pick another --name or 'torpor rm {name}'"
                 )
+            queued = db.execute("SELECT 1 FROM submissions WHERE name=? AND started_at IS NULL", (name,))
+            if queued.fetchone():  # the agent marks a submission started before it creates its job
+                raise UsageError(
+                    f"a job named '{name}' waits in the queue: pick another --name or 'torpor rm {name}'"
+                )
             db.execute(
                 "INSERT INTO jobs(name, command, cwd, state, log_path, created_at) VALUES (?,?,?,?,?,?)",
                 (name, json.dumps(command), cwd, JobState.STARTING, log_path, time.time()),
@@ -287,6 +371,7 @@ class Records:
         with self.transaction() as db:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
             db.execute("DELETE FROM policies WHERE job=?", (name,))
+            db.execute("DELETE FROM submissions WHERE name=?", (name,))
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -398,6 +483,78 @@ class Records:
             rows = db.execute(query, params).fetchall()
         return [_event(row) for row in reversed(rows)]
 
+    # -- the scheduler's: submissions and quotas -----------------------------------------------------
+
+    def add_submission(self, submission: Submission) -> None:
+        """Queue ``submission``; its name must be free among the jobs and the queue."""
+        with self.transaction() as db:
+            for table, column in (("jobs", "name"), ("submissions", "name")):
+                if db.execute(f"SELECT 1 FROM {table} WHERE {column}=?", (submission.name,)).fetchone():
+                    raise UsageError(
+                        f"a job named '{submission.name}' already exists: pick another --name or "
+                        f"'torpor rm {submission.name}'"
+                    )
+            db.execute(
+                "INSERT INTO submissions(name, command, cwd, env, umask, memory, cpus, priority, project,"
+                " submitted_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    submission.name,
+                    json.dumps(submission.command),
+                    submission.cwd,
+                    json.dumps(submission.env),
+                    submission.umask,
+                    submission.memory,
+                    submission.cpus,
+                    submission.priority,
+                    submission.project,
+                    submission.submitted_at,
+                ),
+            )
+
+    def submissions(self) -> dict[JobName, Submission]:
+        """Every submission, queued or started, in the order they came."""
+        with self.transaction() as db:
+            rows = db.execute("SELECT * FROM submissions ORDER BY submitted_at, name").fetchall()
+        return {JobName(row["name"]): _submission(row) for row in rows}
+
+    def submission(self, name: str) -> Submission | None:
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM submissions WHERE name=?", (name,)).fetchone()
+        return None if row is None else _submission(row)
+
+    def update_submission(self, name: str, **marks: object) -> None:
+        """Change the scheduler's marks on a submission (:data:`SUBMISSION_MARKS`); gone: nothing happens."""
+        unknown = set(marks) - SUBMISSION_MARKS
+        if unknown:
+            raise ValueError(f"not a scheduler mark: {sorted(unknown)}")
+        if not marks:
+            return
+        assignments = ", ".join(f"{key}=?" for key in marks)
+        with self.transaction() as db:
+            db.execute(f"UPDATE submissions SET {assignments} WHERE name=?", (*marks.values(), name))
+
+    def delete_submission(self, name: str) -> bool:
+        """Drop a queued submission (``torpor rm`` of a job that never started); False if there was none."""
+        with self.transaction() as db:
+            return db.execute("DELETE FROM submissions WHERE name=?", (name,)).rowcount > 0
+
+    def set_quota(self, quota: Quota) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO quotas(project, share, borrow_limit) VALUES (?,?,?) ON CONFLICT(project)"
+                " DO UPDATE SET share=excluded.share, borrow_limit=excluded.borrow_limit",
+                (quota.project, quota.share, quota.borrow_limit),
+            )
+
+    def delete_quota(self, project: str) -> bool:
+        with self.transaction() as db:
+            return db.execute("DELETE FROM quotas WHERE project=?", (project,)).rowcount > 0
+
+    def quotas(self) -> dict[str, Quota]:
+        with self.transaction() as db:
+            rows = db.execute("SELECT * FROM quotas ORDER BY project").fetchall()
+        return {row["project"]: Quota(row["project"], row["share"], row["borrow_limit"]) for row in rows}
+
     def node_flag(self, key: str) -> str | None:
         """A value the node keeps across restarts (``draining``: why it refuses new jobs)."""
         with self.transaction() as db:
@@ -413,6 +570,28 @@ class Records:
                     "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                     ("node." + key, value),
                 )
+
+
+def _submission(row: sqlite3.Row) -> Submission:
+    return Submission(
+        JobName(row["name"]),
+        json.loads(row["command"]),
+        row["cwd"],
+        json.loads(row["env"]),
+        row["umask"],
+        row["memory"],
+        row["cpus"],
+        row["priority"],
+        row["project"],
+        row["submitted_at"],
+        row["started_at"],
+        row["waited_s"],
+        row["room_for"],
+        row["hibernated_at"],
+        row["usage_at_hibernation"],
+        row["mem_limit"],
+        row["why"],
+    )
 
 
 def _care(row: sqlite3.Row) -> Care:
