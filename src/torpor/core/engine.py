@@ -51,6 +51,7 @@ from torpor.core.store import (
 from torpor.core.store import config as store_config
 from torpor.errors import (
     CheckpointNotFound,
+    JobNotFound,
     LauncherUnreachable,
     RestoreFailed,
     TorporError,
@@ -504,7 +505,12 @@ class Engine:
         return job
 
     def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
-        job = self.reconcile(self.records.job(name))
+        try:
+            job = self.reconcile(self.records.job(name))
+        except JobNotFound:
+            if not self.records.delete_submission(name):
+                raise
+            return []  # it waited in the queue: nothing ran, nothing was stored
         if job.state in SUPERVISED_STATES or unsupervised(job):
             if not force or job.state == JobState.RESTORING:
                 raise WrongState(f"job '{name}' is {_describe(job)}; stop it first or pass --force")
