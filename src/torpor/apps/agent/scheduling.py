@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torpor.adapters import cgroups, system
-from torpor.core.engine import Engine
+from torpor.core.engine import Engine, PreparedRun
 from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.records import (
     LIVE_STATES,
@@ -146,6 +146,9 @@ class Scheduling:
         self.controller = controller
         self._lock = threading.Lock()  # one round at a time: a submit nudges one while another may run
         self._snapshot: Snapshot | None = None
+        #: launchers started ahead for the jobs that victims make room for (:meth:`_prepare`), and when
+        self._prepared: dict[JobName, tuple[PreparedRun, float]] = {}
+        self._preparing = threading.Lock()
 
     # -- asked through the API ---------------------------------------------------------------------------
 
@@ -431,6 +434,7 @@ class Scheduling:
     def round(self, now: float, jobs: list[Job] | None = None) -> None:
         """Decide once and carry it out; actions run in the agent's background workers."""
         with self._lock:
+            self._expire_prepared(now)
             snapshot = self.snapshot(now, jobs)
             if not snapshot.jobs:
                 return
@@ -487,6 +491,8 @@ class Scheduling:
             }
 
         self.agent.submit(name, "hibernate", action.reason, self._nudging(work))
+        if action.for_job is not None:
+            self._prepare(JobName(action.for_job), time.time())
 
     def _unstall(self, name: JobName) -> None:
         """A job stalled at its cgroup limit cannot be dumped (CRIU's parasite needs memory there too):
@@ -540,15 +546,9 @@ class Scheduling:
         def work(name: JobName) -> dict[str, Any]:
             limit = submission.mem_limit or submission.memory
             try:
-                cgroup = self._group_for(name, limit)
-                job = self.agent.engine.run(
-                    name,
-                    submission.command,
-                    submission.cwd,
-                    env=submission.env,
-                    umask=submission.umask,
-                    cgroup=cgroup,
-                )
+                prepared = self._take_prepared(name) or self._prepare_run(name, submission)
+                job = prepared.go()
+                cgroup = self._group_path(name)
             except TorporError as exc:
                 if self.records.submission(name) is not None and name not in {
                     j.name for j in self.records.jobs()
@@ -564,6 +564,69 @@ class Scheduling:
             return {"pid": job.pid, "waited_s": waited, "request": submission.memory}
 
         self.agent.submit(name, "start", f"{format_size(submission.memory)} fits", self._nudging(work))
+
+    def _prepare_run(self, name: JobName, submission: Submission) -> PreparedRun:
+        cgroup = self._group_for(name, submission.mem_limit or submission.memory)
+        return self.agent.engine.prepare_run(
+            name,
+            submission.command,
+            submission.cwd,
+            env=submission.env,
+            umask=submission.umask,
+            cgroup=cgroup,
+        )
+
+    def _group_path(self, name: str) -> Path | None:
+        if self.controller is None:
+            return None
+        group = self.controller.job(name)
+        return group.path if group.exists() else None
+
+    def _prepare(self, name: JobName, now: float) -> None:
+        """Have the launcher of the job that victims make room for start up while they are hibernated
+        (a new interpreter takes ~0.3 s): it starts the moment the room is there."""
+        with self._preparing:
+            if name in self._prepared or self.agent.is_busy(name):
+                return
+        submission = self.records.submission(name)
+        if submission is None or not submission.queued:
+            return
+        try:
+            prepared = self._prepare_run(name, submission)
+        except TorporError as exc:
+            log.warning("%s: cannot prepare its start: %s", name, exc.message)
+            return
+        with self._preparing:
+            self._prepared[name] = (prepared, now)
+
+    def _queued(self, name: str) -> bool:
+        submission = self.records.submission(name)
+        return submission is not None and submission.queued
+
+    def _take_prepared(self, name: JobName) -> PreparedRun | None:
+        with self._preparing:
+            entry = self._prepared.pop(name, None)
+        return None if entry is None else entry[0]
+
+    def _expire_prepared(self, now: float) -> None:
+        """Call off prepared starts that did not happen in time (the room never came, or it was cancelled)."""
+        with self._preparing:
+            stale = [
+                name
+                for name, (_, at) in self._prepared.items()
+                if now - at > PREPARED_FOR_S or not self._queued(name)
+            ]
+            entries = [self._prepared.pop(name)[0] for name in stale]
+        for prepared in entries:
+            prepared.cancel()
+
+    def close(self) -> None:
+        """The agent stops: prepared launchers exit without starting anything."""
+        with self._preparing:
+            entries = [prepared for prepared, _ in self._prepared.values()]
+            self._prepared.clear()
+        for prepared in entries:
+            prepared.cancel()
 
     def _promised_to(self, name: str) -> None:
         """``name`` started (or gave up): the victims that made room for it may come back."""
@@ -616,6 +679,9 @@ class Scheduling:
 
 
 _HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
+
+#: seconds a launcher prepared for a job waits for its room before it is called off
+PREPARED_FOR_S = 120.0
 
 
 def _number(value: object) -> float:

@@ -160,6 +160,7 @@ class Agent:
             self._nudged.set()
         self._actions.shutdown(wait=True, cancel_futures=not finish)
         self.stopping.set()
+        self.scheduling.close()
         os.close(self._lock_fd)
 
     # -- the round -------------------------------------------------------------------------------------
