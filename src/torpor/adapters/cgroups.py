@@ -287,7 +287,7 @@ def _enable_memory(folder: Path) -> None:
 def _write(path: Path, value: str) -> None:
     """Write one value to a cgroup file; the kernel's refusal comes back as its errno, kept as the cause."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     except OSError as exc:
         raise EnvironmentProblem(f"cannot open {path}: {exc.strerror}") from exc
     try:
