@@ -370,6 +370,11 @@ def test_a_job_past_its_limit_stalls_and_goes_on_when_it_is_raised(controller: M
         assert lines[-1] == "done True" and "held 160" in lines
         assert not job.stalled() and job.oom_kills() == 0
         assert job.usage() >= 160 * MiB
+        if len(Path("/proc/swaps").read_text().splitlines()) == 1:  # no swap to push its pages into:
+            # a limit below what it holds is refused, and the old one stays
+            with pytest.raises(EnvironmentProblem, match=r"the kernel refused .* Device or resource busy"):
+                job.set_limit(64 * MiB)
+            assert job.limit() == 256 * MiB
 
 
 @needs_controller
