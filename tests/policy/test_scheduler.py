@@ -26,6 +26,7 @@ from torpor.policy.scheduler import (
     decide,
     effective_priority,
     format_size,
+    node_budget,
     parse_size,
     validate_quotas,
     validate_submit,
@@ -578,3 +579,20 @@ def test_borrowed_work_is_hibernated_before_any_preemption_by_priority_on_random
         after = {j.name: replace(j, state=H) if j.name in hibernated else j for j in snap.jobs}
         checked += checked_reclaim_first(snap, actions, after)
     assert checked > 50, checked
+
+
+def test_the_node_budget_is_the_machine_less_the_reserve_or_what_was_given() -> None:
+    total = 24 * G
+    assert node_budget(total, None, None) == (total - 3 * G, 3 * G)  # a tenth is below the 3 G floor
+    assert node_budget(64 * G, None, None) == (64 * G - 64 * G // 10, 64 * G // 10)
+    assert node_budget(total, None, 4 * G) == (20 * G, 4 * G)
+    assert node_budget(total, 1 * G, None) == (1 * G, 23 * G)
+    assert node_budget(total, 16 * G, 8 * G) == (16 * G, 8 * G)
+    for budget, reserve, words in (
+        (None, 24 * G, "leaves nothing"),
+        (20 * G, 8 * G, "more than this machine's memory (24G)"),
+        (0, None, "--memory-budget must be more than 0"),
+        (None, -1, "--memory-reserve must be 0 or more"),
+    ):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            node_budget(total, budget, reserve)

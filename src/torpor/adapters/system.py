@@ -588,6 +588,15 @@ def has_capability(cap: int) -> bool | None:
     return None if match is None else bool(int(match.group(1), 16) >> cap & 1)
 
 
+def memory_total() -> int:
+    """The machine's memory (MemTotal), in bytes."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
 def join_cgroup(folder: Path) -> None:
     """Move the calling process into the cgroup ``folder`` (v1 or v2: both take a pid in ``cgroup.procs``)."""
     with open(folder / "cgroup.procs", "w") as procs:

@@ -51,6 +51,7 @@ from torpor.core.store import (
 from torpor.core.store import config as store_config
 from torpor.errors import (
     CheckpointNotFound,
+    JobNotFound,
     LauncherUnreachable,
     RestoreFailed,
     TorporError,
@@ -100,6 +101,21 @@ class Engine:
     ) -> Job:
         """Start ``command`` as a new job; with ``env``/``umask``, in those instead of the caller's (the
         agent starting a submitted job), with ``cgroup``, in that cgroup folder."""
+        return self.prepare_run(name, command, cwd, env=env, umask=umask, cgroup=cgroup).go()
+
+    def prepare_run(
+        self,
+        name: str | None,
+        command: list[str],
+        cwd: str,
+        *,
+        env: dict[str, str] | None = None,
+        umask: int | None = None,
+        cgroup: Path | None = None,
+    ) -> PreparedRun:
+        """Check a start and have its launcher start up (a new interpreter, ~0.3 s), waiting for
+        :meth:`PreparedRun.go`: the scheduler prepares the job a victim makes room for while the victim
+        is being hibernated. The job's record is made only at ``go``."""
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         self.refuse_if_draining("start a job")
@@ -115,22 +131,15 @@ class Engine:
         # torchrun's store would hold an io_uring, which CRIU cannot dump: start it without (policy.torchrun)
         interpreter = system.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
         command = torchrun.without_libuv(command, interpreter) or command
-        job = self.records.create_job(job_name, command, cwd, str(job_dir / "output.log"))
-        try:
-            spec = LaunchSpec(
-                self.settings.to_dict(),
-                job_name,
-                LaunchMode.START,
-                env,
-                umask,
-                None if cgroup is None else str(cgroup),
-            )
-            start_launcher(spec, job_dir / "launcher.log").release()
-        except TorporError:
-            if self.records.job(job_name).state == JobState.STARTING:
-                self.records.transition(job_name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
-            raise
-        return self.records.job(job.name)
+        spec = LaunchSpec(
+            self.settings.to_dict(),
+            job_name,
+            LaunchMode.START,
+            env,
+            umask,
+            None if cgroup is None else str(cgroup),
+        )
+        return PreparedRun(self, job_name, command, cwd, start_launcher(spec, job_dir / "launcher.log"))
 
     def refuse_if_draining(self, what: str) -> None:
         """A draining node (``torpor drain``, a notice, the agent's shutdown) takes no new work."""
@@ -504,7 +513,12 @@ class Engine:
         return job
 
     def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
-        job = self.reconcile(self.records.job(name))
+        try:
+            job = self.reconcile(self.records.job(name))
+        except JobNotFound:
+            if not self.records.delete_submission(name):
+                raise
+            return []  # it waited in the queue: nothing ran, nothing was stored
         if job.state in SUPERVISED_STATES or unsupervised(job):
             if not force or job.state == JobState.RESTORING:
                 raise WrongState(f"job '{name}' is {_describe(job)}; stop it first or pass --force")
@@ -526,6 +540,43 @@ class Engine:
 
     def log_path(self, name: str) -> Path:
         return Path(self.records.job(name).log_path)
+
+
+@dataclass
+class PreparedRun:
+    """A job's start checked and its launcher up, waiting: :meth:`go` starts it, :meth:`cancel` calls it off."""
+
+    engine: Engine
+    name: JobName
+    command: list[str]
+    cwd: str
+    launcher: PendingLauncher
+
+    def go(self) -> Job:
+        """Make the job's record and let its launcher start it; the job as it runs (or the start's error)."""
+        records = self.engine.records
+        try:
+            records.create_job(
+                self.name, self.command, self.cwd, str(self.engine.settings.job_dir(self.name) / "output.log")
+            )
+        except BaseException:
+            self.launcher.abort()
+            raise
+        try:
+            self.launcher.release()
+        except TorporError:
+            if records.job(self.name).state == JobState.STARTING:
+                records.transition(self.name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
+            raise
+        return records.job(self.name)
+
+    def cancel(self) -> None:
+        """The launcher exits without starting anything; the job's folder goes unless a job has it."""
+        self.launcher.abort()
+        try:
+            self.engine.records.job(self.name)
+        except JobNotFound:
+            shutil.rmtree(self.engine.settings.job_dir(self.name), ignore_errors=True)
 
 
 def _tree_alive(job: Job) -> bool:

@@ -534,9 +534,13 @@ class Records:
             db.execute(f"UPDATE submissions SET {assignments} WHERE name=?", (*marks.values(), name))
 
     def delete_submission(self, name: str) -> bool:
-        """Drop a queued submission (``torpor rm`` of a job that never started); False if there was none."""
+        """Drop a submission that never started (``torpor rm``); False if there was none queued.
+
+        A started one goes with its job (:meth:`delete_job`): the agent marks it started before it
+        creates the job, so this never races a start into a job without its submission."""
         with self.transaction() as db:
-            return db.execute("DELETE FROM submissions WHERE name=?", (name,)).rowcount > 0
+            deleted = db.execute("DELETE FROM submissions WHERE name=? AND started_at IS NULL", (name,))
+            return deleted.rowcount > 0
 
     def set_quota(self, quota: Quota) -> None:
         with self.transaction() as db:

@@ -120,7 +120,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     engine, records = agent.engine, agent.records
 
     def scheduling() -> Scheduling:
-        return agent.scheduling  # type: ignore[attr-defined,no-any-return]  # the lead's, at the merge
+        return agent.scheduling
 
     @app.middleware("http")
     async def bearer_on_tcp(
@@ -249,7 +249,6 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         except JobNotFound:
             if not scheduling().cancel(name):  # no jobs row: a queued submission, or nothing
                 raise
-            agent.event(name, "cancel", "removed from the queue through the API")
             return {"job": name, "removed_checkpoints": [], "cancelled": True}
         return {"job": name, "removed_checkpoints": removed, "cancelled": False}
 

@@ -27,7 +27,7 @@ from torpor.apps.render import emit_json, human_age, human_bytes, progress, size
 from torpor.core.records import CheckpointId, Event, Records
 from torpor.errors import EnvironmentProblem, JobNotFound, UsageError
 from torpor.policy.jobpolicy import JobPolicy, parse_duration
-from torpor.policy.scheduler import format_size
+from torpor.policy.scheduler import format_size, parse_size
 from torpor.settings import Settings
 
 if TYPE_CHECKING:
@@ -67,6 +67,14 @@ def share(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a share: write e.g. 2% or 0.02") from None
     return number / 100 if text.strip().endswith("%") or number >= 1 else number
+
+
+def size(text: str) -> int:
+    """A memory size as users write it (``500M``, ``4G``)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def address(text: str) -> tuple[str, int]:
@@ -150,6 +158,7 @@ def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
 
 
 def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
+    from torpor.apps.agent.scheduling import SchedulerOptions
     from torpor.apps.agent.serve import Listen, serve
     from torpor.apps.agent.service import AgentOptions
 
@@ -166,6 +175,7 @@ def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
         notice_url=args.notice_url,
         notice_format=args.notice_format,
         notice_interval_s=args.notice_interval,
+        scheduling=SchedulerOptions(budget=args.memory_budget, reserve=args.memory_reserve),
     )
     listen = None
     if args.listen:
@@ -624,6 +634,19 @@ def add_parsers(sub: Any, add: AddParser) -> None:
         default=5.0,
         metavar="DURATION",
         help="how often to poll it (default 5s)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=size,
+        metavar="SIZE",
+        help="the memory the scheduler hands out to submitted jobs (e.g. 16G; default: the machine's "
+        "memory less the reserve)",
+    )
+    p.add_argument(
+        "--memory-reserve",
+        type=size,
+        metavar="SIZE",
+        help="the memory the budget leaves to the machine (default: a tenth of it, at least 3G)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
     p.set_defaults(func=cmd_agent, needs_settings=True)

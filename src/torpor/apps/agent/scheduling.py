@@ -1,20 +1,121 @@
-"""A stand-in with the interface the lead announced (the lead's scheduling.py replaces it at the merge)."""
+"""The memory-first scheduler at work (issue 15): the agent gathers a snapshot, asks the policy, acts.
+
+Each round (and at once after a submit or the end of one of its actions) :meth:`Scheduling.round` reads
+the submissions, jobs and quotas from the records, each running job's memory (its processes' resident
+memory and, where it has one, its cgroup's usage and limit) and the node's (MemAvailable, PSI), and passes
+that :class:`~torpor.policy.scheduler.Snapshot` to :func:`torpor.policy.scheduler.decide`. What comes
+back is carried out here: hibernations, limit raises, starts and resumes; the waits' reasons are kept for
+``torpor queue``. The decisions are the policy's alone; nothing here chooses.
+
+Everything the scheduler needs again after a restart is in the records: the submissions with their marks
+(when started, the aging credit, the job a victim makes room for, its memory when hibernated, its
+cgroup limit, the last reason), why each job is hibernated (the policies table's ``hibernated_by``:
+preempted, reclaimed, guard) and the quotas. A hibernation is marked before it starts, so an agent
+killed in the middle finds the job hibernated *by the scheduler* and brings it back; a start is marked
+before the job exists, and one that never got its job is queued again (:meth:`Scheduling.adopt`).
+
+Jobs started with ``torpor run`` (not submitted) hold memory too: they count with their resident memory,
+at a priority no submitted job preempts; only the guard may hibernate them, as the last resort before the
+kernel's OOM killer.
+"""
 
 from __future__ import annotations
 
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from torpor.core.records import Quota, Submission
+from torpor.adapters import cgroups, system
+from torpor.core.engine import Engine, PreparedRun
+from torpor.core.naming import check_name, free_name, name_from_command
+from torpor.core.records import (
+    LIVE_STATES,
+    Checkpoint,
+    Job,
+    JobName,
+    JobState,
+    Quota,
+    Records,
+    Submission,
+)
+from torpor.errors import TorporError, UsageError
+from torpor.policy import scheduler
+from torpor.policy.scheduler import (
+    Cause,
+    Hibernate,
+    RaiseLimit,
+    Resume,
+    Rules,
+    Snapshot,
+    Start,
+    State,
+    Wait,
+    format_size,
+    parse_size,
+)
+from torpor.policy.scheduler.snapshot import AUTO_RESUME
+
+
+class Agent(Protocol):
+    """What the scheduler uses of the agent (:class:`torpor.apps.agent.service.Agent`)."""
+
+    records: Records
+    engine: Engine
+
+    def event(self, job: str | None, action: str, reason: str, **detail: object) -> None: ...
+    def nudge(self) -> None: ...
+    def is_busy(self, name: JobName) -> bool: ...
+    def draining(self) -> dict[str, Any] | None: ...
+    def hibernate(self, name: JobName, by: str, listened: tuple[tuple[str, int], ...] = ()) -> Checkpoint: ...
+    def submit(
+        self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
+    ) -> Future[None] | None: ...
+
+
+log = logging.getLogger("torpor.agent")
+
+#: the priority a job started with ``torpor run`` is seen with: no submitted job preempts it
+UNSUBMITTED_PRIORITY = 1 << 30
+
+#: what the scheduler's hibernations are marked with (the policies table's ``hibernated_by``)
+CAUSES = {str(cause): cause for cause in Cause}
+
+#: states of a job as the scheduler sees them
+_STATES = {
+    JobState.STARTING: State.STARTING,
+    JobState.RESTORING: State.STARTING,
+    JobState.RUNNING: State.RUNNING,
+    JobState.CHECKPOINTING: State.RUNNING,
+    JobState.HIBERNATING: State.HIBERNATING,
+    JobState.HIBERNATED: State.HIBERNATED,
+}
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """``torpor agent --memory-budget/--memory-reserve``: the node's budget, or what it leaves the machine."""
+
+    budget: int | None = None
+    reserve: int | None = None
+    rules: Rules = field(default_factory=Rules)
 
 
 @dataclass(frozen=True)
 class SubmitRequest:
+    """What ``torpor submit`` sends: the command, where and how to run it, and what it asks for."""
+
     command: list[str]
     cwd: str
-    env: dict[str, str] = field(default_factory=dict)
-    umask: int = 0o022
-    memory: str | int = 0
+    env: dict[str, str]
+    umask: int
+    #: as the user wrote it (``500M``, ``4G``) or bytes
+    memory: str | int
     name: str | None = None
     cpus: float = 1.0
     priority: int = 0
@@ -22,23 +123,576 @@ class SubmitRequest:
 
 
 class Scheduling:
+    """The scheduler of one agent: submit, queue, quotas, and the round that carries out the decisions."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        options: SchedulerOptions = SchedulerOptions(),
+        memory_total: int | None = None,
+        controller: cgroups.MemoryController | None = None,
+    ) -> None:
+        self.agent = agent
+        self.records = agent.records
+        total = system.memory_total() if memory_total is None else memory_total
+        try:
+            self.budget, self.reserve = scheduler.node_budget(total, options.budget, options.reserve)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self.rules = options.rules
+        problems = self.rules.problems(self.reserve)
+        if problems:
+            raise UsageError("; ".join(problems))
+        self.controller = controller
+        self._lock = threading.Lock()  # one round at a time: a submit nudges one while another may run
+        self._snapshot: Snapshot | None = None
+        #: launchers started ahead for the jobs that victims make room for (:meth:`_prepare`), and when
+        self._prepared: dict[JobName, tuple[PreparedRun, float]] = {}
+        self._preparing = threading.Lock()
+
+    # -- asked through the API ---------------------------------------------------------------------------
+
     def submit(self, request: SubmitRequest) -> Submission:
-        raise NotImplementedError
-
-    def queue(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def quotas(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def set_quota(self, project: str, share: str | int, borrow_limit: str | int | None) -> Quota:
-        raise NotImplementedError
-
-    def remove_quota(self, project: str) -> bool:
-        raise NotImplementedError
-
-    def describe(self, name: str) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """Queue a job; refused with every problem on one line (the policy's checks, the name, the command)."""
+        self.agent.engine.refuse_if_draining("submit a job")
+        quotas = self.projects()
+        problems = scheduler.validate_submit(
+            request.memory,
+            priority=request.priority,
+            project=request.project,
+            budget=self.budget,
+            projects=quotas,
+        )
+        if request.cpus <= 0:
+            problems.append(f"--cpus {request.cpus:g}: a job needs more than 0 CPUs")
+        if not request.command:
+            problems.append("no command given: torpor submit --memory SIZE -- COMMAND [ARGS...]")
+        elif (
+            "/" not in request.command[0]
+            and shutil.which(request.command[0], path=request.env.get("PATH")) is None
+        ):
+            problems.append(f"command not found: {request.command[0]}")
+        if problems:
+            raise UsageError("; ".join(problems))
+        memory = request.memory if isinstance(request.memory, int) else parse_size(request.memory)
+        names = {job.name for job in self.records.jobs()} | set(self.records.submissions())
+        name = request.name or free_name(name_from_command(request.command), names)
+        submission = Submission(
+            name=check_name(name),
+            command=list(request.command),
+            cwd=request.cwd,
+            env=dict(request.env),
+            umask=request.umask,
+            memory=memory,
+            cpus=request.cpus,
+            priority=request.priority,
+            project=request.project,
+            submitted_at=time.time(),
+        )
+        self.records.add_submission(submission)
+        self.agent.event(
+            submission.name,
+            "submit",
+            f"{format_size(memory)}, priority {request.priority}, project {request.project}",
+            request=memory,
+        )
+        self.agent.nudge()
+        return submission
 
     def cancel(self, name: str) -> bool:
-        raise NotImplementedError
+        """Drop a submission that never started (``torpor rm``); False when there is none queued."""
+        removed = self.records.delete_submission(name)
+        if removed:
+            self.agent.event(name, "cancel", "removed from the queue")
+        return removed
+
+    def projects(self) -> dict[str, scheduler.Project]:
+        return {
+            name: scheduler.Project(name, quota.share, quota.borrow_limit)
+            for name, quota in self.records.quotas().items()
+        }
+
+    def set_quota(self, project: str, share: str | int, borrow_limit: str | int | None) -> Quota:
+        problems = []
+        sizes: list[int | None] = []
+        for flag, value in (("--share", share), ("--borrow-limit", borrow_limit)):
+            try:
+                sizes.append(
+                    None if value is None else value if isinstance(value, int) else parse_size(value)
+                )
+            except ValueError as exc:
+                problems.append(f"{flag}: {exc}")
+        if not project or not project.strip():
+            problems.append("a project needs a name")
+        if problems:
+            raise UsageError("; ".join(problems))
+        share_bytes, borrow_bytes = sizes
+        assert share_bytes is not None
+        projects = self.projects()
+        projects[project] = scheduler.Project(project, share_bytes, borrow_bytes)
+        problems = scheduler.validate_quotas(projects, self.budget)
+        if problems:
+            raise UsageError("; ".join(problems))
+        quota = Quota(project, share_bytes, borrow_bytes)
+        self.records.set_quota(quota)
+        borrow = "any" if borrow_bytes is None else format_size(borrow_bytes)
+        self.agent.event(None, "quota", f"{project}: {format_size(share_bytes)} guaranteed, borrows {borrow}")
+        self.agent.nudge()
+        return quota
+
+    def remove_quota(self, project: str) -> bool:
+        removed = self.records.delete_quota(project)
+        if removed:
+            self.agent.event(None, "quota", f"{project}: quota removed")
+            self.agent.nudge()
+        return removed
+
+    def queue(self) -> dict[str, Any]:
+        """The queue as ``torpor queue`` shows it: the budget, and every submitted job not ended."""
+        snapshot = self._snapshot or self.snapshot(time.time())
+        held = sum(job.charge for job in snapshot.jobs if job.state in _HOLDING)
+        submissions = self.records.submissions()
+        rows = []
+        for job in snapshot.jobs:
+            submission = submissions.get(JobName(job.name))
+            if submission is None:
+                continue
+            rows.append(
+                {
+                    "name": job.name,
+                    "state": str(job.state),
+                    "request": job.request,
+                    "usage": job.usage,
+                    "limit": job.limit,
+                    "priority": job.priority,
+                    "effective_priority": round(
+                        scheduler.effective_priority(job, snapshot.now, self.rules), 3
+                    ),
+                    "project": job.project,
+                    "submitted_at": job.submitted_at,
+                    "waited_s": round(_waited(job, snapshot.now), 3),
+                    "hibernated_by": None if job.hibernated_by is None else str(job.hibernated_by),
+                    "why": submission.why,
+                }
+            )
+        order = {str(State.QUEUED): 0, str(State.HIBERNATED): 1}
+        rows.sort(key=lambda row: (order.get(str(row["state"]), 2), -_number(row["effective_priority"])))
+        return {
+            "budget": self.budget,
+            "reserve": self.reserve,
+            "held": held,
+            "free": max(0, self.budget - held),
+            "mem_available": snapshot.pressure.mem_available,
+            "psi_full_avg10": snapshot.pressure.psi_full_avg10,
+            "jobs": rows,
+        }
+
+    def quotas(self) -> dict[str, Any]:
+        snapshot = self._snapshot or self.snapshot(time.time())
+        held: dict[str, int] = {}
+        for job in snapshot.jobs:
+            if job.state in _HOLDING and job.priority != UNSUBMITTED_PRIORITY:
+                held[job.project] = held.get(job.project, 0) + job.request
+        return {
+            "budget": self.budget,
+            "projects": [
+                {
+                    "project": quota.project,
+                    "share": quota.share,
+                    "borrow_limit": quota.borrow_limit,
+                    "held": held.get(quota.project, 0),
+                    "borrowed": max(0, held.get(quota.project, 0) - quota.share),
+                }
+                for quota in self.records.quotas().values()
+            ],
+        }
+
+    def describe(self, name: str) -> dict[str, Any] | None:
+        """What ``torpor ps`` adds for a submitted job: its request, usage, limit and why it waits."""
+        submission = self.records.submission(name)
+        if submission is None:
+            return None
+        return {
+            "request": submission.memory,
+            "limit": submission.mem_limit,
+            "priority": submission.priority,
+            "project": submission.project,
+            "why": submission.why,
+        }
+
+    # -- the round -----------------------------------------------------------------------------------------
+
+    def adopt(self) -> None:
+        """After a restart: a start marked but never carried out (its job never created) is queued again."""
+        jobs = {job.name for job in self.records.jobs()}
+        for name, submission in self.records.submissions().items():
+            if submission.started_at is not None and name not in jobs:
+                self.records.update_submission(
+                    name, started_at=None, why="queued again: the agent stopped while starting it"
+                )
+
+    def snapshot(self, now: float, jobs: list[Job] | None = None) -> Snapshot:
+        """The node as the policy sees it at ``now``."""
+        submissions = self.records.submissions()
+        by_name = {job.name: job for job in (self.records.jobs() if jobs is None else jobs)}
+        cares = self.records.cares()
+        seen = []
+        for name, submission in submissions.items():
+            job = by_name.get(name)
+            if submission.queued:
+                seen.append(
+                    scheduler.Job(
+                        name=name,
+                        state=State.QUEUED,
+                        request=submission.memory,
+                        priority=submission.priority,
+                        project=submission.project,
+                        submitted_at=submission.submitted_at,
+                        cpus=submission.cpus,
+                        waited_s=submission.waited_s,
+                    )
+                )
+                continue
+            if job is None:  # marked started, its job not created yet: it holds its request already
+                state: State | None = State.STARTING
+            else:
+                state = _STATES.get(job.state)
+            if state is None:
+                continue  # ended
+            seen.append(self._seen(name, state, job, submission, cares.get(name), now))
+        for job in by_name.values():
+            if job.name in submissions or job.state not in LIVE_STATES or job.pid is None:
+                continue
+            usage = system.resident_bytes(system.namespace_members(job.pid))
+            seen.append(
+                scheduler.Job(
+                    name=job.name,
+                    state=_STATES.get(job.state, State.RUNNING),
+                    request=0,
+                    priority=UNSUBMITTED_PRIORITY,
+                    project="",
+                    submitted_at=job.created_at,
+                    usage=usage,
+                    work_since_checkpoint_s=now - (job.started_at or job.created_at),
+                )
+            )
+        available = cgroups.mem_available()
+        pressure = cgroups.memory_pressure()
+        snapshot = Snapshot(
+            budget=self.budget,
+            jobs=tuple(seen),
+            now=now,
+            projects=self.projects(),
+            pressure=scheduler.Pressure(
+                mem_available=available,
+                psi_some_avg10=None if pressure is None else pressure[0],
+                psi_full_avg10=None if pressure is None else pressure[1],
+            ),
+        )
+        self._snapshot = snapshot
+        return snapshot
+
+    def _seen(
+        self, name: JobName, state: State, job: Job | None, submission: Submission, care: Any, now: float
+    ) -> scheduler.Job:
+        latest: Checkpoint | None = self.records.latest_checkpoint(name) if job is not None else None
+        usage = 0
+        limit = cgroup_usage = None
+        if state == State.HIBERNATED:
+            usage = submission.usage_at_hibernation or 0
+        elif job is not None and job.pid is not None and state != State.STARTING:
+            usage = system.resident_bytes(system.namespace_members(job.pid))
+        if self.controller is not None and state in (State.RUNNING, State.HIBERNATING):
+            group = self.controller.job(name)
+            if group.exists():
+                limit, cgroup_usage = group.limit(), group.usage()
+        hibernated_by = None
+        if state == State.HIBERNATED:
+            marked = care.hibernated_by if care is not None else None
+            hibernated_by = CAUSES.get(str(marked), Cause.USER) if marked else Cause.USER
+        running_since = (job.started_at or job.created_at) if job is not None else now
+        since = max(running_since, latest.created_at) if latest is not None else running_since
+        return scheduler.Job(
+            name=name,
+            state=state,
+            request=submission.memory,
+            priority=submission.priority,
+            project=submission.project,
+            submitted_at=submission.submitted_at,
+            usage=usage,
+            cpus=submission.cpus,
+            work_since_checkpoint_s=max(0.0, now - since) if state == State.RUNNING else 0.0,
+            last_checkpoint_at=latest.created_at if latest is not None else None,
+            hibernated_by=hibernated_by,
+            hibernated_at=submission.hibernated_at if state == State.HIBERNATED else None,
+            waited_s=submission.waited_s,
+            room_for=submission.room_for,
+            limit=limit,
+            cgroup_usage=cgroup_usage,
+        )
+
+    def round(self, now: float, jobs: list[Job] | None = None) -> None:
+        """Decide once and carry it out; actions run in the agent's background workers."""
+        with self._lock:
+            self._expire_prepared(now)
+            snapshot = self.snapshot(now, jobs)
+            if not snapshot.jobs:
+                return
+            actions = scheduler.decide(snapshot, self.rules)
+            seen = {job.name: job for job in snapshot.jobs}
+            draining = self.agent.draining() is not None
+            submissions = self.records.submissions()
+            for action in actions:
+                if isinstance(action, Hibernate):
+                    self._hibernate(action, seen[action.job])
+                elif isinstance(action, RaiseLimit):
+                    self._raise(action, seen[action.job])
+                elif isinstance(action, Start) and not draining:
+                    self._start(JobName(action.job), seen[action.job], now)
+                elif isinstance(action, Resume) and not draining:
+                    self._resume(JobName(action.job), seen[action.job], now)
+                elif isinstance(action, Wait):
+                    submission = submissions.get(JobName(action.job))
+                    if submission is not None and submission.why != action.why:
+                        self.records.update_submission(action.job, why=action.why)
+
+    def _hibernate(self, action: Hibernate, seen: scheduler.Job) -> None:
+        name = JobName(action.job)
+        if self.agent.is_busy(name):
+            return
+
+        def work(name: JobName) -> dict[str, Any]:
+            submission = self.records.submission(name)
+            # marked first: an agent killed mid-way finds the job hibernated by the scheduler, and resumes it
+            self.records.mark_hibernated(name, str(action.cause))
+            try:
+                self._unstall(name)
+                checkpoint = self.agent.hibernate(name, str(action.cause))
+            except BaseException:
+                if self.records.job(name).state != JobState.HIBERNATED:
+                    self.records.mark_hibernated(name, None)
+                raise
+            if submission is not None:
+                self.records.update_submission(
+                    name,
+                    hibernated_at=time.time(),
+                    usage_at_hibernation=seen.usage,
+                    room_for=action.for_job,
+                    why=action.reason,
+                )
+            return {
+                "checkpoint": checkpoint.id,
+                "freeze_s": checkpoint.freeze_s,
+                "total_s": checkpoint.total_s,
+                "size_bytes": checkpoint.size_bytes,
+                "freed_bytes": seen.usage,
+                "cause": str(action.cause),
+                "for_job": action.for_job,
+            }
+
+        self.agent.submit(name, "hibernate", action.reason, self._nudging(work))
+        if action.for_job is not None:
+            self._prepare(JobName(action.for_job), time.time())
+
+    def _unstall(self, name: JobName) -> None:
+        """A job stalled at its cgroup limit cannot be dumped (CRIU's parasite needs memory there too):
+        give it room for the dump first."""
+        if self.controller is None:
+            return
+        group = self.controller.job(name)
+        if group.exists():
+            group.make_room(cgroups.DUMP_MARGIN)
+
+    def _raise(self, action: RaiseLimit, seen: scheduler.Job) -> None:
+        self.records.update_submission(action.job, mem_limit=action.limit)
+        if seen.state != State.RUNNING or self.controller is None:
+            return  # a hibernated job gets it when it is restored
+        group = self.controller.job(action.job)
+        if not group.exists():
+            return
+        old = group.limit()
+        try:
+            group.set_limit(action.limit)
+        except OSError as exc:
+            self.agent.event(
+                action.job, "limit", f"raising the limit to {format_size(action.limit)}", error=str(exc)
+            )
+            return
+        before = "none" if old is None else format_size(old)
+        self.agent.event(
+            action.job,
+            "limit",
+            f"raised from {before} to {format_size(action.limit)}: its usage neared the limit",
+            limit=action.limit,
+            usage=seen.cgroup_usage,
+        )
+
+    def _group_for(self, name: str, limit: int) -> Path | None:
+        """The job's cgroup with ``limit``, made if missing (None where the machine has no memory controller)."""
+        if self.controller is None:
+            return None
+        group = self.controller.job(name)
+        group.create(limit)
+        return group.path
+
+    def _start(self, name: JobName, seen: scheduler.Job, now: float) -> None:
+        submission = self.records.submission(name)
+        if submission is None or not submission.queued or self.agent.is_busy(name):
+            return
+        waited = submission.waited_s + max(0.0, now - submission.submitted_at)
+        # marked before the job exists: the next round counts its memory as held already
+        self.records.update_submission(name, started_at=now, waited_s=waited, why=None)
+
+        def work(name: JobName) -> dict[str, Any]:
+            limit = submission.mem_limit or submission.memory
+            try:
+                prepared = self._take_prepared(name) or self._prepare_run(name, submission)
+                job = prepared.go()
+                cgroup = self._group_path(name)
+            except TorporError as exc:
+                if self.records.submission(name) is not None and name not in {
+                    j.name for j in self.records.jobs()
+                }:
+                    # not even a failed job on record: it waits again, with the reason
+                    self.records.update_submission(
+                        name, started_at=None, why=f"could not start: {exc.message}"
+                    )
+                raise
+            finally:
+                self._promised_to(name)
+            self.records.update_submission(name, mem_limit=limit if cgroup is not None else None)
+            return {"pid": job.pid, "waited_s": waited, "request": submission.memory}
+
+        self.agent.submit(name, "start", f"{format_size(submission.memory)} fits", self._nudging(work))
+
+    def _prepare_run(self, name: JobName, submission: Submission) -> PreparedRun:
+        cgroup = self._group_for(name, submission.mem_limit or submission.memory)
+        return self.agent.engine.prepare_run(
+            name,
+            submission.command,
+            submission.cwd,
+            env=submission.env,
+            umask=submission.umask,
+            cgroup=cgroup,
+        )
+
+    def _group_path(self, name: str) -> Path | None:
+        if self.controller is None:
+            return None
+        group = self.controller.job(name)
+        return group.path if group.exists() else None
+
+    def _prepare(self, name: JobName, now: float) -> None:
+        """Have the launcher of the job that victims make room for start up while they are hibernated
+        (a new interpreter takes ~0.3 s): it starts the moment the room is there."""
+        with self._preparing:
+            if name in self._prepared or self.agent.is_busy(name):
+                return
+        submission = self.records.submission(name)
+        if submission is None or not submission.queued:
+            return
+        try:
+            prepared = self._prepare_run(name, submission)
+        except TorporError as exc:
+            log.warning("%s: cannot prepare its start: %s", name, exc.message)
+            return
+        with self._preparing:
+            self._prepared[name] = (prepared, now)
+
+    def _queued(self, name: str) -> bool:
+        submission = self.records.submission(name)
+        return submission is not None and submission.queued
+
+    def _take_prepared(self, name: JobName) -> PreparedRun | None:
+        with self._preparing:
+            entry = self._prepared.pop(name, None)
+        return None if entry is None else entry[0]
+
+    def _expire_prepared(self, now: float) -> None:
+        """Call off prepared starts that did not happen in time (the room never came, or it was cancelled)."""
+        with self._preparing:
+            stale = [
+                name
+                for name, (_, at) in self._prepared.items()
+                if now - at > PREPARED_FOR_S or not self._queued(name)
+            ]
+            entries = [self._prepared.pop(name)[0] for name in stale]
+        for prepared in entries:
+            prepared.cancel()
+
+    def close(self) -> None:
+        """The agent stops: prepared launchers exit without starting anything."""
+        with self._preparing:
+            entries = [prepared for prepared, _ in self._prepared.values()]
+            self._prepared.clear()
+        for prepared in entries:
+            prepared.cancel()
+
+    def _promised_to(self, name: str) -> None:
+        """``name`` started (or gave up): the victims that made room for it may come back."""
+        for other, submission in self.records.submissions().items():
+            if submission.room_for == name:
+                self.records.update_submission(other, room_for=None)
+
+    def _resume(self, name: JobName, seen: scheduler.Job, now: float) -> None:
+        submission = self.records.submission(name)
+        if submission is None or self.agent.is_busy(name):
+            return
+
+        def work(name: JobName) -> dict[str, Any]:
+            current = self.records.submission(name) or submission
+            limit = current.mem_limit or max(current.memory, current.usage_at_hibernation or 0)
+            self._group_for(name, limit)  # CRIU puts the tree back into the cgroup it was dumped from
+            job, checkpoint, seconds = self.agent.engine.restore(
+                name, warn=lambda t: log.warning("%s: %s", name, t)
+            )
+            self.records.mark_hibernated(name, None)
+            waited = current.waited_s + max(0.0, time.time() - (current.hibernated_at or now))
+            self.records.update_submission(
+                name, hibernated_at=None, usage_at_hibernation=None, room_for=None, waited_s=waited, why=None
+            )
+            return {"checkpoint": checkpoint.id, "restore_s": seconds, "pid": job.pid}
+
+        self.agent.submit(name, "resume", f"room again for {format_size(seen.charge)}", self._nudging(work))
+
+    def _nudging(self, work: Any) -> Any:
+        """``work``, followed by a round at once: what it freed or took changes what fits."""
+
+        def then_nudge(name: JobName) -> dict[str, Any]:
+            try:
+                result: dict[str, Any] = work(name)
+                return result
+            finally:
+                self.agent.nudge()
+
+        return then_nudge
+
+    def forget(self, name: str) -> None:
+        """``name`` was removed: its cgroup goes too."""
+        if self.controller is not None:
+            group = self.controller.job(name)
+            if group.exists():
+                try:
+                    group.remove()
+                except OSError as exc:
+                    log.warning("%s: cannot remove its cgroup %s: %s", name, group.path, exc)
+
+
+_HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
+
+#: seconds a launcher prepared for a job waits for its room before it is called off
+PREPARED_FOR_S = 120.0
+
+
+def _number(value: object) -> float:
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+def _waited(job: scheduler.Job, now: float) -> float:
+    """How long ``job`` has waited in all (its credit and its current wait)."""
+    if job.state == State.QUEUED:
+        return job.waited_s + max(0.0, now - job.submitted_at)
+    if job.state == State.HIBERNATED and job.hibernated_at is not None and job.hibernated_by in AUTO_RESUME:
+        return job.waited_s + max(0.0, now - job.hibernated_at)
+    return job.waited_s

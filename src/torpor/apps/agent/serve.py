@@ -125,6 +125,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
                 len(report.pending),
             )
         agent.stopping.set()
+        agent.nudge()
         server.should_exit = True
 
     def on_signal(number: int, _: FrameType | None) -> None:
@@ -164,6 +165,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
         server.run(sockets=sockets)
     finally:
         agent.stopping.set()
+        agent.nudge()
         if watcher is not None:
             watcher.stop()
         keeper.close()

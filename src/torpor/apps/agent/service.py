@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import system
+from torpor.adapters import cgroups, system
+from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
 from torpor.core.engine import Engine
 from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
 from torpor.core.store import DURABLE
@@ -61,6 +62,8 @@ class AgentOptions:
     notice_url: str | None = None
     notice_format: str = "auto"
     notice_interval_s: float = 5.0
+    #: the scheduler's budget, reserve and rules (``--memory-budget``, ``--memory-reserve``)
+    scheduling: SchedulerOptions = field(default_factory=SchedulerOptions)
 
 
 @dataclass
@@ -119,11 +122,16 @@ class Agent:
         #: called with a job's name before anyone restores it through the agent (the keeper lets go of
         #: the ports it holds for it: the restored job's listening sockets need them)
         self.before_restore: list[Callable[[JobName], None]] = []
+        #: set to have the next round now (a submit, or the end of an action that freed or took memory)
+        self._nudged = threading.Event()
+        self.controller = cgroups.find_memory_controller()
+        self.scheduling = Scheduling(self, options.scheduling, controller=self.controller)
 
     # -- starting and stopping -------------------------------------------------------------------------
 
     def adopt(self) -> None:
         """Take over what already runs or waits: say so, resume what the last shutdown hibernated."""
+        self.scheduling.adopt()
         jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
         counts: dict[str, int] = {}
         for job in jobs:
@@ -149,19 +157,29 @@ class Agent:
         """Stop acting: the action under way ends first; with ``finish``, those queued too (else dropped)."""
         if not finish:
             self.stopping.set()
+            self._nudged.set()
         self._actions.shutdown(wait=True, cancel_futures=not finish)
         self.stopping.set()
+        self.scheduling.close()
         os.close(self._lock_fd)
 
     # -- the round -------------------------------------------------------------------------------------
 
     def loop(self) -> None:
         """Rounds until :attr:`stopping`; an error in one is logged and the next round goes on."""
-        while not self.stopping.wait(self.options.round_s):
+        while not self.stopping.is_set():
+            self._nudged.wait(self.options.round_s)
+            self._nudged.clear()
+            if self.stopping.is_set():
+                break
             try:
                 self.round(time.time())
             except Exception:
                 log.exception("a round of the agent failed; the next one goes on")
+
+    def nudge(self) -> None:
+        """Have the next round at once rather than at its time."""
+        self._nudged.set()
 
     def round(self, now: float) -> None:
         jobs = [self.engine.reconcile(job) for job in self.records.jobs()]
@@ -179,6 +197,7 @@ class Agent:
             del self._samples[key]  # ended, hibernated or restored: a restored job starts watching anew
         for hook in self.round_hooks:
             hook(jobs, cares)
+        self.scheduling.round(now, jobs)
         draining = self.draining()
         left = [j for j in jobs if j.state == JobState.RUNNING and j.name not in self._evacuation_tried]
         if draining and left and not self._evacuating.locked():

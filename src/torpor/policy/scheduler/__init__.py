@@ -17,7 +17,7 @@ from torpor.policy.scheduler.actions import Action, Hibernate, RaiseLimit, Resum
 from torpor.policy.scheduler.decision import decide, effective_priority
 from torpor.policy.scheduler.sizes import format_size, parse_size
 from torpor.policy.scheduler.snapshot import Cause, Job, Pressure, Project, Rules, Snapshot, State
-from torpor.policy.scheduler.submit import validate_quotas, validate_submit
+from torpor.policy.scheduler.submit import node_budget, validate_quotas, validate_submit
 
 __all__ = [
     "Action",
@@ -36,6 +36,7 @@ __all__ = [
     "decide",
     "effective_priority",
     "format_size",
+    "node_budget",
     "parse_size",
     "validate_quotas",
     "validate_submit",

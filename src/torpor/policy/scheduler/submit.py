@@ -61,3 +61,35 @@ def validate_quotas(projects: Mapping[str, Project], budget: int) -> list[str]:
             "a guarantee beyond the budget cannot be kept"
         )
     return problems
+
+
+def node_budget(total: int, budget: int | None, reserve: int | None) -> tuple[int, int]:
+    """The node's memory budget and the reserve it leaves the machine, from ``torpor agent``'s flags.
+
+    ``budget`` given: that (the reserve is what is left of ``total``); else ``total`` less ``reserve``
+    (default: a tenth of the machine, at least :data:`MIN_RESERVE`). Both given must fit in ``total``.
+    Raises ValueError with the one-line reason.
+    """
+    if budget is not None and budget <= 0:
+        raise ValueError("--memory-budget must be more than 0")
+    if reserve is not None and reserve < 0:
+        raise ValueError("--memory-reserve must be 0 or more")
+    if budget is None:
+        reserve = max(total // 10, MIN_RESERVE) if reserve is None else reserve
+        if reserve >= total:
+            raise ValueError(
+                f"--memory-reserve {format_size(reserve)} leaves nothing of this machine's {format_size(total)}"
+            )
+        return total - reserve, reserve
+    if budget + (reserve or 0) > total:
+        raise ValueError(
+            f"--memory-budget {format_size(budget)}"
+            + (f" and --memory-reserve {format_size(reserve)}" if reserve else "")
+            + f" are more than this machine's memory ({format_size(total)})"
+        )
+    return budget, total - budget
+
+
+#: the least memory the budget leaves to the machine when no reserve is given (3 GiB: above the
+#: guard's calm level, 2 GiB by default, so that a full budget does not read as a node short of memory)
+MIN_RESERVE = 3 << 30
