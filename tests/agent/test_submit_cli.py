@@ -6,7 +6,6 @@ that nothing here can take much of the machine's memory; and what each says with
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -113,9 +112,9 @@ def test_bad_submissions_are_refused_in_one_line_and_nothing_is_queued(
     )
     assert "'4X' is not a size" in both and "--priority -2" in both and "; " in both  # all problems, one line
     missing = one_line_error(
-        torpor.run("submit", "--memory", "10M", "--", "/no/such/program", check=False), 2
+        torpor.run("submit", "--memory", "10M", "--", "no-such-program-here", check=False), 2
     )
-    assert "/no/such/program" in missing
+    assert "command not found: no-such-program-here" in missing  # looked up in the submitter's PATH
     assert torpor.json("queue")["jobs"] == []
 
     torpor.run("quota", "set", "ml", "--share", "512M")
@@ -255,6 +254,50 @@ def test_rm_of_a_queued_job_cancels_it_and_it_never_starts(torpor: Torpor, agent
         "cancelled": True,
     }
     assert set(queued(torpor)) == {"holder"}
+    assert [e["reason"] for e in agent.events() if e["action"] == "cancel" and e["job"] == "waiter"] == [
+        "removed from the queue"
+    ]
+
+    # without an agent (SIGINT leaves its jobs), rm cancels from the records
+    torpor.run("submit", "--name", "waiter3", "--memory", "500M", "--", *SLEEPER)
+    assert agent.stop() == 0
+    assert json.loads(torpor.run("rm", "waiter3", "--json").stdout) == {
+        "job": "waiter3",
+        "removed_checkpoints": [],
+        "cancelled": True,
+    }
     removed = json.loads(torpor.run("rm", "--force", "holder", "--json").stdout)
     assert removed["cancelled"] is False
-    assert queued(torpor) == {} and os.path.exists(torpor.home)
+    assert torpor.json("ps") == []
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(240)
+def test_ps_says_why_the_scheduler_hibernated_a_job(torpor: Torpor, agent: AgentProcess) -> None:
+    start_agent(agent)
+    torpor.run("submit", "--name", "low", "--memory", "800M", "--", *SLEEPER)
+    torpor.wait_for(lambda: queued(torpor)["low"]["state"] == "running", 60, "low to run")
+    torpor.run("submit", "--name", "high", "--memory", "500M", "--priority", "5", "--", *SLEEPER)
+    torpor.wait_for(lambda: queued(torpor).get("high", {}).get("state") == "running", 120, "high to run")
+    low = torpor.wait_state("low", "hibernated", timeout=60)
+    assert (low["hibernated_by"], low["request"], low["priority"]) == ("preempted", 800 << 20, 0)
+    assert low["hibernation"] == "preempted by high (priority 5 > 0)", low
+    assert low["why"], low  # why it has not come back: the room is high's
+    high = torpor.job("high")
+    assert (high["hibernated_by"], high["hibernation"], high["request"]) == (None, None, 500 << 20)
+    shown = torpor.run("ps").stdout
+    reasons = [line for line in shown.splitlines() if line.startswith("low: ")]
+    # "now": the scheduler's word on it, which moves on from round to round
+    assert len(reasons) == 1 and reasons[0].startswith("low: preempted by high (priority 5 > 0); now "), shown
+    row = next(line for line in shown.splitlines() if line.startswith("low "))
+    assert row.split()[1] == "hibernated" and "800M" in row.split()
+    queue = queued(torpor)
+    assert (queue["low"]["state"], queue["low"]["hibernated_by"]) == ("hibernated", "preempted")
+    assert _why_cell(torpor, "low").startswith("preempted; ") and queue["low"]["why"]
+
+
+def _why_cell(torpor: Torpor, name: str) -> str:
+    """The WHY of ``name`` in ``torpor queue``'s table (the last column: it may hold spaces)."""
+    header, *rows = torpor.run("queue").stdout.splitlines()[1:]
+    start = header.index("WHY")
+    return next(row[start:] for row in rows if row.split()[0] == name)

@@ -19,10 +19,10 @@ from torpor.adapters import system
 from torpor.apps import machine, slurm
 from torpor.apps.agent import commands as agent_commands
 from torpor.apps.agent.locate import answers, socket_path
-from torpor.apps.agent.wire import scheduling_fields, status_to_dict
+from torpor.apps.agent.wire import SCHEDULER_CAUSES, scheduling_fields, status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import SUPERVISED_STATES, Care, Checkpoint, JobState, Submission
+from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
 from torpor.policy import torchrun
 from torpor.settings import Settings
@@ -67,7 +67,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
             [
                 {
                     **_status_dict(s),
-                    **scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name)),
+                    **scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records),
                 }
                 for s in statuses
             ]
@@ -99,26 +99,15 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     reasons = [
         f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == JobState.FAILED and s.job.message
     ]
-    reasons += [
-        f"{s.job.name}: {why}"
-        for s in statuses
-        if s.job.state == JobState.HIBERNATED
-        and (why := _why_hibernated(submissions.get(s.job.name), cares.get(s.job.name)))
-    ]
+    for s in statuses:
+        fields = scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records)
+        if s.job.state == JobState.HIBERNATED and fields["hibernated_by"] in SCHEDULER_CAUSES:
+            said = fields["hibernation"] or str(fields["hibernated_by"])
+            reasons.append(f"{s.job.name}: {said}" + (f"; now {fields['why']}" if fields["why"] else ""))
     if reasons:
         print()
         print("\n".join(reasons))
     return 0
-
-
-def _why_hibernated(submission: Submission | None, care: Care | None) -> str | None:
-    """Why the scheduler hibernated a submitted job (``preempted for big``, ``reclaimed``, ``guard``)."""
-    if submission is None:
-        return None
-    by = care.hibernated_by if care else None
-    if submission.why:
-        return f"hibernated ({by}): {submission.why}" if by and by not in submission.why else submission.why
-    return f"hibernated ({by})" if by else None
 
 
 def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:

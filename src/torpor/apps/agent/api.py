@@ -146,7 +146,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         kept = records.care(status.job.name)
         return {
             **wire.status_to_dict(status, kept),
-            **wire.scheduling_fields(records.submission(status.job.name), kept),
+            **wire.scheduling_fields(records.submission(status.job.name), kept, records),
         }
 
     @app.get("/v1/health")
@@ -168,7 +168,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         return [
             {
                 **wire.status_to_dict(s, cares.get(s.job.name)),
-                **wire.scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name)),
+                **wire.scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), records),
             }
             for s in engine.statuses()
         ]
@@ -244,12 +244,11 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     @app.delete("/v1/jobs/{name}")
     def remove(name: str, force: bool = False) -> dict[str, Any]:
         """Remove a job and its checkpoints; a submitted job that waits in the queue is cancelled."""
-        try:
-            removed = engine.remove(name, force=force)
-        except JobNotFound:
-            if not scheduling().cancel(name):  # no jobs row: a queued submission, or nothing
-                raise
+        submission = records.submission(name)
+        # queued: it has no jobs row yet (the scheduler marks a start before it creates the job)
+        if submission is not None and submission.queued and scheduling().cancel(name):
             return {"job": name, "removed_checkpoints": [], "cancelled": True}
+        removed = engine.remove(name, force=force)
         return {"job": name, "removed_checkpoints": removed, "cancelled": False}
 
     @app.get("/v1/jobs/{name}/policy")

@@ -25,7 +25,7 @@ from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.records import CheckpointId, Event, Records
-from torpor.errors import EnvironmentProblem, JobNotFound, UsageError
+from torpor.errors import EnvironmentProblem, UsageError
 from torpor.policy.jobpolicy import JobPolicy, parse_duration
 from torpor.policy.scheduler import format_size, parse_size
 from torpor.settings import Settings
@@ -394,10 +394,11 @@ def _priority(job: dict[str, Any]) -> str:
 
 
 def _why(job: dict[str, Any]) -> str:
-    why = job.get("why")
-    if why:
-        return str(why)
-    return str(job["hibernated_by"]) if job.get("hibernated_by") else "-"
+    """Why it waits; for a job hibernated, first by what (``preempted; needs 800M, …``)."""
+    said = [str(job[key]) for key in ("hibernated_by", "why") if job.get(key)]
+    if job.get("state") != "hibernated":
+        said = said[1:] if job.get("hibernated_by") else said
+    return "; ".join(said) or "-"
 
 
 def cmd_quota(settings: Settings, args: argparse.Namespace) -> int:
@@ -463,14 +464,11 @@ def remove_or_cancel(engine: Engine, name: str, force: bool) -> list[CheckpointI
     if through is not None:
         result: list[CheckpointId] | None = through(name, force)
         return result
-    try:
-        return engine.remove(name, force=force)
-    except JobNotFound:
-        submission = engine.records.submission(name)
-        if submission is None or not submission.queued:
-            raise
+    submission = engine.records.submission(name)
+    if submission is not None and submission.queued:
         engine.records.delete_submission(name)  # no agent runs: nobody can be starting it meanwhile
         return None
+    return engine.remove(name, force=force)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from torpor.core.records import (
     JobName,
     JobState,
     Quota,
+    Records,
     Submission,
 )
 
@@ -104,15 +105,35 @@ def quota_from_dict(data: dict[str, Any]) -> Quota:
     return Quota(str(data["project"]), int(data["share"]), data.get("borrow_limit"))
 
 
-def scheduling_fields(submission: Submission | None, care: Care | None) -> dict[str, Any]:
+#: the causes of the scheduler's hibernations (``Care.hibernated_by``; policy.scheduler.Cause)
+SCHEDULER_CAUSES = frozenset({"preempted", "reclaimed", "guard"})
+
+
+def scheduling_fields(
+    submission: Submission | None, care: Care | None, records: Records | None = None
+) -> dict[str, Any]:
     """What ``torpor ps --json`` says of a job's scheduling: its request, cgroup limit, priority and
-    project (None for a job started with ``torpor run``), why it was hibernated and the scheduler's last
-    word on it."""
+    project (None for a job started with ``torpor run``), why it was hibernated (``hibernated_by``, and
+    with ``records``, the scheduler's reason then: ``hibernation``), and the scheduler's last word on it
+    (``why``: for a hibernated job, why it has not come back yet)."""
+    by = care.hibernated_by if care else None
     return {
         "request": submission.memory if submission else None,
         "limit": submission.mem_limit if submission else None,
         "priority": submission.priority if submission else None,
         "project": submission.project if submission else None,
-        "hibernated_by": care.hibernated_by if care else None,
+        "hibernated_by": by,
+        "hibernation": hibernation_reason(records, submission.name)
+        if records is not None and submission is not None and by in SCHEDULER_CAUSES
+        else None,
         "why": submission.why if submission else None,
     }
+
+
+def hibernation_reason(records: Records, name: str) -> str | None:
+    """The reason of the scheduler's last hibernation of ``name`` (``preempted by big (priority 5 > 0)``),
+    from its events: the submission's ``why`` moves on to why the job waits to come back."""
+    for event in reversed(records.events(0, name, 100)):
+        if event.action == "hibernate" and "error" not in event.detail:
+            return event.reason
+    return None
