@@ -1,4 +1,5 @@
-"""The agent's HTTP API (FastAPI): the CLI's operations, policies, events and drains; /docs shows it all.
+"""The agent's HTTP API (FastAPI): the CLI's operations, policies, events and drains, and the scheduler's
+submissions, queue and quotas (docs/scheduler.md); /docs shows it all.
 
 Every operation is the engine's, as the CLI runs it embedded; errors keep their exit code in the body
 (``{"error", "details", "exit_code"}``) with a status that says the kind: 400 bad input, 404 no such

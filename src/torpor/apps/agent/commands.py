@@ -351,7 +351,7 @@ def cmd_queue(settings: Settings, args: argparse.Namespace) -> int:
             job["name"],
             str(job["state"]),
             size_or_dash(job.get("request")),
-            size_or_dash(job.get("usage")),
+            "-" if job["state"] == "queued" else size_or_dash(job.get("usage")),  # nothing runs yet
             size_or_dash(job.get("limit")),
             _priority(job),
             str(job.get("project") or "-"),
