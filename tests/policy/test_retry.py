@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torpor.policy.retry import DUMP_ATTEMPTS, GIVE_UP, Retry, after_failed_dump
+from torpor.policy.retry import DUMP_ATTEMPTS, GIVE_UP, Retry, after_failed_dump, after_failed_resume
 
 ZOMBIE = "(00.058879) Error (criu/seize.c:882): Zombies with threads are not supported"
 OTHER = "(00.1) Error (criu/files.c:1): Can't dump a process with an unsupported file"
@@ -27,3 +27,9 @@ def test_any_other_error_gives_up_at_once() -> None:
 
 def test_no_log_lines_give_up() -> None:
     assert after_failed_dump(1, []) == GIVE_UP
+
+
+def test_a_failed_resume_is_tried_again_later_and_later_up_to_five_minutes() -> None:
+    waits = [after_failed_resume(n) for n in range(1, 10)]
+    assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
+    assert waits == sorted(waits) and max(waits) == 300.0

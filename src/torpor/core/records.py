@@ -146,6 +146,7 @@ CREATE TABLE IF NOT EXISTS submissions (
     room_for TEXT,
     hibernated_at REAL,
     usage_at_hibernation INTEGER,
+    cgroup_usage_at_hibernation INTEGER,
     mem_limit INTEGER,
     why TEXT
 );
@@ -204,6 +205,8 @@ class Submission:
     #: when the scheduler hibernated it, and its memory then (what it will need back)
     hibernated_at: float | None = None
     usage_at_hibernation: int | None = None
+    #: what its cgroup held then (page cache and kernel memory included): a restore needs that much room
+    cgroup_usage_at_hibernation: int | None = None
     #: the memory limit of its cgroup, in bytes (None: none set)
     mem_limit: int | None = None
     #: the scheduler's last word on it: why it waits, or why it was hibernated
@@ -216,7 +219,16 @@ class Submission:
 
 #: the fields of a submission the scheduler changes as it goes (:meth:`Records.update_submission`)
 SUBMISSION_MARKS = frozenset(
-    {"started_at", "waited_s", "room_for", "hibernated_at", "usage_at_hibernation", "mem_limit", "why"}
+    {
+        "started_at",
+        "waited_s",
+        "room_for",
+        "hibernated_at",
+        "usage_at_hibernation",
+        "cgroup_usage_at_hibernation",
+        "mem_limit",
+        "why",
+    }
 )
 
 
@@ -593,6 +605,7 @@ def _submission(row: sqlite3.Row) -> Submission:
         row["room_for"],
         row["hibernated_at"],
         row["usage_at_hibernation"],
+        row["cgroup_usage_at_hibernation"],
         row["mem_limit"],
         row["why"],
     )

@@ -1,4 +1,4 @@
-"""Whether a failed dump is tried again, and after what delay.
+"""Whether a failed dump is tried again, and after what delay; when the scheduler tries a failed resume again.
 
 A dump that met a process of the tree in the middle of exiting (a DataLoader worker at the end of an
 epoch) fails with one of :data:`PASSING_DUMP_ERRORS`; a moment later the process is gone and the dump
@@ -42,3 +42,16 @@ def after_failed_dump(attempt: int, error_lines: Sequence[str]) -> Retry:
     if not any(marker in line for line in error_lines for marker in PASSING_DUMP_ERRORS):
         return GIVE_UP
     return Retry(again=True, delay_s=BACKOFF_S * attempt)
+
+
+#: the scheduler's wait before it tries again to resume a job whose restore failed: doubled after each
+#: failure in a row, from the first to the last
+RESUME_BACKOFF_S = (5.0, 300.0)
+
+
+def after_failed_resume(failures: int) -> float:
+    """Seconds before the scheduler tries again to resume a job whose restore failed ``failures`` times
+    in a row (its image is kept and it stays hibernated: trying every round would only repeat it):
+    5 s, 10 s, 20 s … at most 5 min."""
+    first, last = RESUME_BACKOFF_S
+    return float(min(last, first * 2 ** max(0, failures - 1)))

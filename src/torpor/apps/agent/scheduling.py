@@ -45,7 +45,8 @@ from torpor.core.records import (
     Submission,
 )
 from torpor.errors import TorporError, UsageError
-from torpor.policy import scheduler
+from torpor.policy import retry, scheduler
+from torpor.policy.jobpolicy import format_duration
 from torpor.policy.scheduler import (
     Cause,
     Hibernate,
@@ -149,6 +150,8 @@ class Scheduling:
         #: launchers started ahead for the jobs that victims make room for (:meth:`_prepare`), and when
         self._prepared: dict[JobName, tuple[PreparedRun, float]] = {}
         self._preparing = threading.Lock()
+        #: jobs whose restore failed: how many times in a row, and when last (a new agent tries at once)
+        self._resume_failures: dict[str, tuple[int, float]] = {}
 
     # -- asked through the API ---------------------------------------------------------------------------
 
@@ -400,16 +403,23 @@ class Scheduling:
         limit = cgroup_usage = None
         if state == State.HIBERNATED:
             usage = submission.usage_at_hibernation or 0
+            # the limit it had and what its cgroup held: the policy raises the limit it comes back with
+            limit, cgroup_usage = submission.mem_limit, submission.cgroup_usage_at_hibernation
         elif job is not None and job.pid is not None and state != State.STARTING:
             usage = system.resident_bytes(system.namespace_members(job.pid))
         if self.controller is not None and state in (State.RUNNING, State.HIBERNATING):
-            group = self.controller.job(name)
-            if group.exists():
-                limit, cgroup_usage = group.limit(), group.usage()
+            try:
+                group = self.controller.job(name)
+                if group.exists():
+                    limit, cgroup_usage = group.limit(), group.usage()
+            except TorporError as exc:  # gone meanwhile (the job ended): nothing to read this round
+                log.debug("%s: its cgroup: %s", name, exc.message)
         hibernated_by = None
         if state == State.HIBERNATED:
             marked = care.hibernated_by if care is not None else None
             hibernated_by = CAUSES.get(str(marked), Cause.USER) if marked else Cause.USER
+            if self._backing_off(name, now):
+                hibernated_by = Cause.USER  # its restore failed: not a candidate until its next try
         running_since = (job.started_at or job.created_at) if job is not None else now
         since = max(running_since, latest.created_at) if latest is not None else running_since
         return scheduler.Job(
@@ -436,6 +446,7 @@ class Scheduling:
         with self._lock:
             self._expire_prepared(now)
             snapshot = self.snapshot(now, jobs)
+            self._tidy(snapshot)
             if not snapshot.jobs:
                 return
             actions = scheduler.decide(snapshot, self.rules)
@@ -467,6 +478,7 @@ class Scheduling:
             self.records.mark_hibernated(name, str(action.cause))
             try:
                 self._unstall(name)
+                held = self._cgroup_usage(name)
                 checkpoint = self.agent.hibernate(name, str(action.cause))
             except BaseException:
                 if self.records.job(name).state != JobState.HIBERNATED:
@@ -477,6 +489,7 @@ class Scheduling:
                     name,
                     hibernated_at=time.time(),
                     usage_at_hibernation=seen.usage,
+                    cgroup_usage_at_hibernation=held,
                     room_for=action.for_job,
                     why=action.reason,
                 )
@@ -495,13 +508,27 @@ class Scheduling:
             self._prepare(JobName(action.for_job), time.time())
 
     def _unstall(self, name: JobName) -> None:
-        """A job stalled at its cgroup limit cannot be dumped (CRIU's parasite needs memory there too):
-        give it room for the dump first."""
+        """A job stalled at its cgroup limit cannot be dumped (CRIU cannot seize a task asleep in the
+        cgroup's OOM wait): stop it and give it room for CRIU's parasite first. It is dumped stopped,
+        and continued after its restore (:meth:`_continue`)."""
         if self.controller is None:
             return
         group = self.controller.job(name)
-        if group.exists():
-            group.make_room(cgroups.DUMP_MARGIN)
+        if not group.exists():
+            return
+        limit = group.limit()
+        # at its limit or a fault away from it: CRIU's parasite would stall it there
+        near = limit is not None and group.usage() + STALL_MARGIN >= limit
+        if (group.stalled() or near) and not group.unstall_for_dump():
+            log.warning("%s: still stalled at its cgroup limit after stopping it; its dump may fail", name)
+
+    def _continue(self, name: JobName) -> None:
+        """A job dumped stopped (:meth:`_unstall`) is restored stopped: let it go on."""
+        if self.controller is None:
+            return
+        group = self.controller.job(name)
+        if any(system.process_state(pid) in ("T", "t") for pid in group.pids()):
+            group.continue_processes()
 
     def _raise(self, action: RaiseLimit, seen: scheduler.Job) -> None:
         self.records.update_submission(action.job, mem_limit=action.limit)
@@ -641,19 +668,50 @@ class Scheduling:
 
         def work(name: JobName) -> dict[str, Any]:
             current = self.records.submission(name) or submission
-            limit = current.mem_limit or max(current.memory, current.usage_at_hibernation or 0)
-            self._group_for(name, limit)  # CRIU puts the tree back into the cgroup it was dumped from
-            job, checkpoint, seconds = self.agent.engine.restore(
-                name, warn=lambda t: log.warning("%s: %s", name, t)
-            )
+            # what its cgroup held, and some room for the restore: a limit below fails it
+            held = (current.cgroup_usage_at_hibernation or current.usage_at_hibernation or 0) + RESTORE_MARGIN
+            limit = max(current.mem_limit or current.memory, held)
+            try:
+                self._group_for(name, limit)  # CRIU puts the tree back into the cgroup it was dumped from
+                job, checkpoint, seconds = self.agent.engine.restore(
+                    name, warn=lambda t: log.warning("%s: %s", name, t)
+                )
+            except TorporError as exc:
+                failures = self._resume_failures.get(name, (0, 0.0))[0] + 1
+                self._resume_failures[name] = (failures, time.time())
+                wait = retry.after_failed_resume(failures)
+                self.records.update_submission(
+                    name, why=f"its restore failed ({exc.message}); tried again in {format_duration(wait)}"
+                )
+                raise
+            self._resume_failures.pop(name, None)
+            self._continue(name)
             self.records.mark_hibernated(name, None)
             waited = current.waited_s + max(0.0, time.time() - (current.hibernated_at or now))
             self.records.update_submission(
-                name, hibernated_at=None, usage_at_hibernation=None, room_for=None, waited_s=waited, why=None
+                name,
+                hibernated_at=None,
+                usage_at_hibernation=None,
+                cgroup_usage_at_hibernation=None,
+                mem_limit=limit if self.controller is not None else None,
+                room_for=None,
+                waited_s=waited,
+                why=None,
             )
             return {"checkpoint": checkpoint.id, "restore_s": seconds, "pid": job.pid}
 
         self.agent.submit(name, "resume", f"room again for {format_size(seen.charge)}", self._nudging(work))
+
+    def _backing_off(self, name: str, now: float) -> bool:
+        """Whether ``name``'s last restores failed and its next try is not due yet (policy.retry)."""
+        failures, at = self._resume_failures.get(name, (0, 0.0))
+        return failures > 0 and now < at + retry.after_failed_resume(failures)
+
+    def _cgroup_usage(self, name: str) -> int | None:
+        if self.controller is None:
+            return None
+        group = self.controller.job(name)
+        return group.usage() if group.exists() else None
 
     def _nudging(self, work: Any) -> Any:
         """``work``, followed by a round at once: what it freed or took changes what fits."""
@@ -667,18 +725,30 @@ class Scheduling:
 
         return then_nudge
 
-    def forget(self, name: str) -> None:
-        """``name`` was removed: its cgroup goes too."""
-        if self.controller is not None:
+    def _tidy(self, snapshot: Snapshot) -> None:
+        """Remove the cgroups of jobs that ended or were removed (those that hold no process any more)."""
+        if self.controller is None:
+            return
+        known = {job.name for job in snapshot.jobs}
+        for name in self.controller.job_names():
+            if name in known:
+                continue
             group = self.controller.job(name)
-            if group.exists():
-                try:
-                    group.remove()
-                except OSError as exc:
-                    log.warning("%s: cannot remove its cgroup %s: %s", name, group.path, exc)
+            if group.pids():
+                continue
+            try:
+                group.remove()
+            except TorporError as exc:
+                log.warning("%s: %s", name, exc.message)
 
 
 _HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
+
+#: a job this close to its cgroup limit is stopped before its dump, as a stalled one (:meth:`Scheduling._unstall`)
+STALL_MARGIN = 16 << 20
+
+#: room a restore gets beyond what the job's cgroup held when it was dumped (CRIU's restorer needs some)
+RESTORE_MARGIN = 16 << 20
 
 #: seconds a launcher prepared for a job waits for its room before it is called off
 PREPARED_FOR_S = 120.0

@@ -124,7 +124,7 @@ class Agent:
         self.before_restore: list[Callable[[JobName], None]] = []
         #: set to have the next round now (a submit, or the end of an action that freed or took memory)
         self._nudged = threading.Event()
-        self.controller = cgroups.find_memory_controller()
+        self.controller = memory_controller()
         self.scheduling = Scheduling(self, options.scheduling, controller=self.controller)
 
     # -- starting and stopping -------------------------------------------------------------------------
@@ -550,6 +550,20 @@ def take_lock(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def memory_controller() -> cgroups.MemoryController | None:
+    """The memory controller the scheduler gives each job a cgroup of; None (and why, in the log) without."""
+    found = cgroups.detect_memory_controller()
+    if isinstance(found, cgroups.NoMemoryController):
+        log.warning("no memory cgroups for the jobs (%s): their usage is read from /proc alone", found.reason)
+        return None
+    try:
+        found.prepare()
+    except TorporError as exc:
+        log.warning("no memory cgroups for the jobs: %s", exc.message)
+        return None
+    return found
 
 
 def boot_id() -> str:
