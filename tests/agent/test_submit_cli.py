@@ -9,12 +9,15 @@ import json
 import shlex
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import TORPOR, Torpor
+from torpor.adapters import cgroups
 
 from .conftest import AgentProcess
 
@@ -48,6 +51,23 @@ def one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
 
 def queued(torpor: Torpor) -> dict[str, dict[str, Any]]:
     return {job["name"]: job for job in torpor.json("queue")["jobs"]}
+
+
+@pytest.fixture(autouse=True)
+def tag() -> Iterator[str]:
+    """A suffix for the test's job names; once the test is over (its jobs removed), their cgroups go too.
+
+    The jobs' memory cgroups are shared by every agent that runs in this machine's cgroup of our processes
+    (the tests of others too): names that cannot collide keep the cleanup to this test's own. Set up
+    before the ``torpor`` fixture, so torn down after it has removed the jobs.
+    """
+    suffix = uuid.uuid4().hex[:6]
+    yield suffix
+    found = cgroups.detect_memory_controller()
+    if isinstance(found, cgroups.MemoryController):
+        for name in found.job_names():
+            if name.endswith(f"-{suffix}"):
+                found.job(name).remove()
 
 
 def start_agent(agent: AgentProcess) -> None:
@@ -138,13 +158,14 @@ def test_bad_submissions_are_refused_in_one_line_and_nothing_is_queued(
 @pytest.mark.criu
 @pytest.mark.timeout(240)
 def test_a_submit_that_fits_runs_in_the_submitters_environment_cwd_and_umask(
-    torpor: Torpor, agent: AgentProcess, tmp_path: Path
+    torpor: Torpor, agent: AgentProcess, tmp_path: Path, tag: str
 ) -> None:
     start_agent(agent)
+    env, plain = f"env-{tag}", f"plain-{tag}"
     workdir = tmp_path / "work dir"
     workdir.mkdir()
     script = "import os; print('mark', os.environ.get('TORPOR_TEST_MARK'), os.getcwd(), oct(os.umask(0)), flush=True)"
-    submit = [TORPOR, "submit", "--name", "env", "--memory", "200M", "--priority", "3", "--cpus", "0.5"]
+    submit = [TORPOR, "submit", "--name", env, "--memory", "200M", "--priority", "3", "--cpus", "0.5"]
     shell = f"umask 027; exec {shlex.join([*submit, '--', sys.executable, '-c', script])}"
     result = subprocess.run(
         ["sh", "-c", shell],
@@ -156,22 +177,22 @@ def test_a_submit_that_fits_runs_in_the_submitters_environment_cwd_and_umask(
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "queued job 'env' (200M, priority 3, project default): torpor queue shows it\n"
-    torpor.wait_for(lambda: "env" in {j["name"] for j in torpor.json("ps")}, 60, "the job to start")
-    torpor.wait_state("env", "exited", timeout=60)
-    assert f"mark from-the-submitter {workdir} 0o27" in torpor.log("env")
-    job = torpor.job("env")
+    assert result.stdout == f"queued job '{env}' (200M, priority 3, project default): torpor queue shows it\n"
+    torpor.wait_for(lambda: env in {j["name"] for j in torpor.json("ps")}, 60, "the job to start")
+    torpor.wait_state(env, "exited", timeout=60)
+    assert f"mark from-the-submitter {workdir} 0o27" in torpor.log(env)
+    job = torpor.job(env)
     assert job["exit_code"] == 0
     assert (job["request"], job["priority"], job["project"]) == (200 << 20, 3, "default")
     assert {"limit", "hibernated_by", "why"} <= set(job)
 
     # a job that did not come through the scheduler has the keys, empty
-    torpor.run("run", "--name", "plain", "--", *SLEEPER)
-    plain = torpor.job("plain")
-    assert (plain["request"], plain["priority"], plain["project"]) == (None, None, None)
+    torpor.run("run", "--name", plain, "--", *SLEEPER)
+    other = torpor.job(plain)
+    assert (other["request"], other["priority"], other["project"]) == (None, None, None)
     header, *rows = torpor.run("ps").stdout.splitlines()
     assert header.split()[:5] == ["NAME", "STATE", "PID", "MEMORY", "REQUEST"]
-    assert any(row.split()[0] == "env" and "200M" in row.split() for row in rows), rows
+    assert any(row.split()[0] == env and "200M" in row.split() for row in rows), rows
 
 
 @pytest.mark.criu
@@ -220,80 +241,84 @@ def test_queue_and_quota_say_the_budget_and_the_shares_and_refuse_what_cannot_be
 
 @pytest.mark.criu
 @pytest.mark.timeout(240)
-def test_rm_of_a_queued_job_cancels_it_and_it_never_starts(torpor: Torpor, agent: AgentProcess) -> None:
+def test_rm_of_a_queued_job_cancels_it_and_it_never_starts(
+    torpor: Torpor, agent: AgentProcess, tag: str
+) -> None:
     start_agent(agent)
-    torpor.run("submit", "--name", "holder", "--memory", "800M", "--", *SLEEPER)
-    torpor.wait_for(lambda: queued(torpor)["holder"]["state"] == "running", 60, "the holder to run")
-    torpor.run(
-        "submit", "--name", "waiter", "--memory", "500M", "--", *SLEEPER
-    )  # does not fit, same priority
+    holder, waiter, waiter2, waiter3 = (f"{n}-{tag}" for n in ("holder", "waiter", "waiter2", "waiter3"))
+    torpor.run("submit", "--name", holder, "--memory", "800M", "--", *SLEEPER)
+    torpor.wait_for(lambda: queued(torpor)[holder]["state"] == "running", 60, "the holder to run")
+    torpor.run("submit", "--name", waiter, "--memory", "500M", "--", *SLEEPER)  # does not fit, same priority
     queue = torpor.json("queue")
     assert set(queue) == QUEUE_KEYS and queue["held"] >= 800 << 20
     jobs = {job["name"]: job for job in queue["jobs"]}
-    assert [job["name"] for job in queue["jobs"]] == ["waiter", "holder"]  # the queued first
+    assert [job["name"] for job in queue["jobs"]] == [waiter, holder]  # the queued first
     for job in jobs.values():
         assert set(job) >= JOB_KEYS, set(job) ^ JOB_KEYS
-    assert jobs["waiter"]["state"] == "queued" and jobs["waiter"]["request"] == 500 << 20
-    assert jobs["holder"]["request"] == 800 << 20 and jobs["holder"]["hibernated_by"] is None
+    assert jobs[waiter]["state"] == "queued" and jobs[waiter]["request"] == 500 << 20
+    assert jobs[holder]["request"] == 800 << 20 and jobs[holder]["hibernated_by"] is None
     rows = {row.split()[0]: row for row in torpor.run("queue").stdout.splitlines()[2:]}
-    assert rows["waiter"].split()[1:3] == ["queued", "500M"]
-    assert "waiter" not in {job["name"] for job in torpor.json("ps")}  # queued: in the queue, not in ps
+    assert rows[waiter].split()[1:3] == ["queued", "500M"]
+    assert waiter not in {job["name"] for job in torpor.json("ps")}  # queued: in the queue, not in ps
 
-    cancelled = torpor.run("rm", "waiter")
-    assert cancelled.stdout == "cancelled waiter: it waited in the queue and never started\n"
-    assert set(queued(torpor)) == {"holder"}
-    gone = one_line_error(torpor.run("rm", "waiter", check=False), 2)
-    assert "no job named 'waiter'" in gone
+    cancelled = torpor.run("rm", waiter)
+    assert cancelled.stdout == f"cancelled {waiter}: it waited in the queue and never started\n"
+    assert set(queued(torpor)) == {holder}
+    gone = one_line_error(torpor.run("rm", waiter, check=False), 2)
+    assert f"no job named '{waiter}'" in gone
 
     # the API does the same for a client of its own
-    torpor.run("submit", "--name", "waiter2", "--memory", "500M", "--json", "--", *SLEEPER)
-    answer = agent.api.delete("/v1/jobs/waiter2")
+    torpor.run("submit", "--name", waiter2, "--memory", "500M", "--json", "--", *SLEEPER)
+    answer = agent.api.delete(f"/v1/jobs/{waiter2}")
     assert answer.status_code == 200 and answer.json() == {
-        "job": "waiter2",
+        "job": waiter2,
         "removed_checkpoints": [],
         "cancelled": True,
     }
-    assert set(queued(torpor)) == {"holder"}
-    assert [e["reason"] for e in agent.events() if e["action"] == "cancel" and e["job"] == "waiter"] == [
+    assert set(queued(torpor)) == {holder}
+    assert [e["reason"] for e in agent.events() if e["action"] == "cancel" and e["job"] == waiter] == [
         "removed from the queue"
     ]
 
     # without an agent (SIGINT leaves its jobs), rm cancels from the records
-    torpor.run("submit", "--name", "waiter3", "--memory", "500M", "--", *SLEEPER)
+    torpor.run("submit", "--name", waiter3, "--memory", "500M", "--", *SLEEPER)
     assert agent.stop() == 0
-    assert json.loads(torpor.run("rm", "waiter3", "--json").stdout) == {
-        "job": "waiter3",
+    assert json.loads(torpor.run("rm", waiter3, "--json").stdout) == {
+        "job": waiter3,
         "removed_checkpoints": [],
         "cancelled": True,
     }
-    removed = json.loads(torpor.run("rm", "--force", "holder", "--json").stdout)
+    removed = json.loads(torpor.run("rm", "--force", holder, "--json").stdout)
     assert removed["cancelled"] is False
     assert torpor.json("ps") == []
 
 
 @pytest.mark.criu
 @pytest.mark.timeout(240)
-def test_ps_says_why_the_scheduler_hibernated_a_job(torpor: Torpor, agent: AgentProcess) -> None:
+def test_ps_says_why_the_scheduler_hibernated_a_job(torpor: Torpor, agent: AgentProcess, tag: str) -> None:
     start_agent(agent)
-    torpor.run("submit", "--name", "low", "--memory", "800M", "--", *SLEEPER)
-    torpor.wait_for(lambda: queued(torpor)["low"]["state"] == "running", 60, "low to run")
-    torpor.run("submit", "--name", "high", "--memory", "500M", "--priority", "5", "--", *SLEEPER)
-    torpor.wait_for(lambda: queued(torpor).get("high", {}).get("state") == "running", 120, "high to run")
-    low = torpor.wait_state("low", "hibernated", timeout=60)
-    assert (low["hibernated_by"], low["request"], low["priority"]) == ("preempted", 800 << 20, 0)
-    assert low["hibernation"] == "preempted by high (priority 5 > 0)", low
-    assert low["why"], low  # why it has not come back: the room is high's
-    high = torpor.job("high")
-    assert (high["hibernated_by"], high["hibernation"], high["request"]) == (None, None, 500 << 20)
+    low, high = f"low-{tag}", f"high-{tag}"
+    torpor.run("submit", "--name", low, "--memory", "800M", "--", *SLEEPER)
+    torpor.wait_for(lambda: queued(torpor)[low]["state"] == "running", 60, "low to run")
+    torpor.run("submit", "--name", high, "--memory", "500M", "--priority", "5", "--", *SLEEPER)
+    torpor.wait_for(lambda: queued(torpor).get(high, {}).get("state") == "running", 120, "high to run")
+    job = torpor.wait_state(low, "hibernated", timeout=60)
+    assert (job["hibernated_by"], job["request"], job["priority"]) == ("preempted", 800 << 20, 0)
+    assert job["hibernation"] == f"preempted by {high} (priority 5 > 0)", job
+    assert job["why"], job  # why it has not come back: the room is high's
+    other = torpor.job(high)
+    assert (other["hibernated_by"], other["hibernation"], other["request"]) == (None, None, 500 << 20)
     shown = torpor.run("ps").stdout
-    reasons = [line for line in shown.splitlines() if line.startswith("low: ")]
+    reasons = [line for line in shown.splitlines() if line.startswith(f"{low}: ")]
     # "now": the scheduler's word on it, which moves on from round to round
-    assert len(reasons) == 1 and reasons[0].startswith("low: preempted by high (priority 5 > 0); now "), shown
-    row = next(line for line in shown.splitlines() if line.startswith("low "))
+    assert len(reasons) == 1 and reasons[0].startswith(
+        f"{low}: preempted by {high} (priority 5 > 0); now "
+    ), shown
+    row = next(line for line in shown.splitlines() if line.startswith(f"{low} "))
     assert row.split()[1] == "hibernated" and "800M" in row.split()
     queue = queued(torpor)
-    assert (queue["low"]["state"], queue["low"]["hibernated_by"]) == ("hibernated", "preempted")
-    assert _why_cell(torpor, "low").startswith("preempted; ") and queue["low"]["why"]
+    assert (queue[low]["state"], queue[low]["hibernated_by"]) == ("hibernated", "preempted")
+    assert _why_cell(torpor, low).startswith("preempted; ") and queue[low]["why"]
 
 
 def _why_cell(torpor: Torpor, name: str) -> str:
