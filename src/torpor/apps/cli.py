@@ -19,8 +19,8 @@ from torpor.adapters import system
 from torpor.apps import machine, slurm
 from torpor.apps.agent import commands as agent_commands
 from torpor.apps.agent.locate import answers, socket_path
-from torpor.apps.agent.wire import status_to_dict
-from torpor.apps.render import emit_json, human_age, human_bytes, progress, table
+from torpor.apps.agent.wire import SCHEDULER_CAUSES, scheduling_fields, status_to_dict
+from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.engine import Engine, JobStatus
 from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
@@ -59,8 +59,19 @@ def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
 
 def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     statuses = engine.statuses()
+    # read here, not asked of the agent, so that ps says the same embedded (queued jobs: torpor queue)
+    submissions = engine.records.submissions()
+    cares = engine.records.cares()
     if args.json:
-        emit_json([_status_dict(s) for s in statuses])
+        emit_json(
+            [
+                {
+                    **_status_dict(s),
+                    **scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records),
+                }
+                for s in statuses
+            ]
+        )
         return 0
     now = time.time()
     rows = []
@@ -76,15 +87,23 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
                 state,
                 str(job.pid) if job.pid else "-",
                 human_bytes(status.rss_bytes),
+                size_or_dash(submitted.memory) if (submitted := submissions.get(job.name)) else "-",
                 human_age(now - job.created_at),
                 f"{last.id} ({human_age(now - last.created_at)} ago)" if last else "-",
             ]
         )
-    print(table(["NAME", "STATE", "PID", "MEMORY", "AGE", "LAST CHECKPOINT"], rows) if rows else "no jobs")
-    # why a job failed is worth a line of its own (an exit code says it for exited jobs)
+    headers = ["NAME", "STATE", "PID", "MEMORY", "REQUEST", "AGE", "LAST CHECKPOINT"]
+    print(table(headers, rows) if rows else "no jobs")
+    # why a job failed is worth a line of its own (an exit code says it for exited jobs), and why the
+    # scheduler hibernated one
     reasons = [
         f"{s.job.name}: {s.job.message}" for s in statuses if s.job.state == JobState.FAILED and s.job.message
     ]
+    for s in statuses:
+        fields = scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records)
+        if s.job.state == JobState.HIBERNATED and fields["hibernated_by"] in SCHEDULER_CAUSES:
+            said = fields["hibernation"] or str(fields["hibernated_by"])
+            reasons.append(f"{s.job.name}: {said}" + (f"; now {fields['why']}" if fields["why"] else ""))
     if reasons:
         print()
         print("\n".join(reasons))
@@ -277,9 +296,11 @@ def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def cmd_rm(engine: Engine, args: argparse.Namespace) -> int:
-    removed = engine.remove(args.name, force=args.force)
+    removed = agent_commands.remove_or_cancel(engine, args.name, args.force)
     if args.json:
-        emit_json({"job": args.name, "removed_checkpoints": removed})
+        emit_json({"job": args.name, "removed_checkpoints": removed or [], "cancelled": removed is None})
+    elif removed is None:
+        print(f"cancelled {args.name}: it waited in the queue and never started")
     else:
         print(f"removed {args.name} and {len(removed)} checkpoint(s)")
     return 0
@@ -398,12 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
         job=False,
     ).set_defaults(func=cmd_gc)
 
-    p = add("rm", "forget a job and delete its checkpoints")
+    p = add("rm", "forget a job and delete its checkpoints (a submitted job still queued: cancel it)")
     p.add_argument("--force", action="store_true", help="stop the job first if it is running")
     p.set_defaults(func=cmd_rm)
 
     machine.add_parsers(sub, add)
     agent_commands.add_parsers(sub, add)
+    agent_commands.add_scheduling_parsers(sub, add)
     slurm.add_parser(sub)
     return parser
 

@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from torpor.policy.scheduler import format_size
+
 
 def human_bytes(n: int | None) -> str:
     if n is None:
@@ -17,6 +19,11 @@ def human_bytes(n: int | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+def size_or_dash(n: int | None) -> str:
+    """A size as the scheduler's commands write it (``4G``, ``1.5G``: what ``--memory`` takes), or ``-``."""
+    return "-" if n is None else format_size(int(n))
 
 
 def human_age(seconds: float) -> str:

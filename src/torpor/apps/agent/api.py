@@ -1,4 +1,5 @@
-"""The agent's HTTP API (FastAPI): the CLI's operations, policies, events and drains; /docs shows it all.
+"""The agent's HTTP API (FastAPI): the CLI's operations, policies, events and drains, and the scheduler's
+submissions, queue and quotas (docs/scheduler.md); /docs shows it all.
 
 Every operation is the engine's, as the CLI runs it embedded; errors keep their exit code in the body
 (``{"error", "details", "exit_code"}``) with a status that says the kind: 400 bad input, 404 no such
@@ -27,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from torpor import __version__
 from torpor.apps.agent import care, metrics, web, wire
+from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
 from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
 from torpor.core.context import Progress
 from torpor.errors import CheckpointNotFound as NoCheckpoint
@@ -53,6 +55,31 @@ class RestoreRequest(BaseModel):
     force: bool = False
     lazy: bool = False
     rewind: bool = False
+
+
+class SubmitBody(BaseModel):
+    """What ``torpor submit`` sends: the job, the submitter's environment, and what it asks of the node.
+
+    Sizes and the priority are checked by the scheduler, not here, so that every problem of a submission
+    comes back in one line with the scheduler's wording (400), not as a validation error (422).
+    """
+
+    command: list[str] = Field(min_length=1, description="the command and its arguments")
+    cwd: str = Field(description="the job's working directory (the submitter's)")
+    env: dict[str, str] = Field(description="the job's environment (the submitter's)")
+    umask: int = Field(ge=0, le=0o777, description="the job's umask (the submitter's)")
+    memory: str | int = Field(description="the memory it needs: 500M, 4G, or bytes")
+    name: str | None = None
+    cpus: float = Field(1.0, gt=0)
+    priority: int = Field(0, description="higher may preempt lower (0 or more)")
+    project: str = "default"
+
+
+class QuotaBody(BaseModel):
+    share: str | int = Field(description="the project's guaranteed memory: 2G, or bytes")
+    borrow_limit: str | int | None = Field(
+        None, description="how much more it may borrow of what others leave unused (null: any)"
+    )
 
 
 class StopRequest(BaseModel):
@@ -93,6 +120,9 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     )
     engine, records = agent.engine, agent.records
 
+    def scheduling() -> Scheduling:
+        return agent.scheduling
+
     @app.middleware("http")
     async def bearer_on_tcp(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
@@ -114,7 +144,11 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     def job_dict(name: str) -> dict[str, Any]:
         status = engine.status(name)
-        return wire.status_to_dict(status, records.care(status.job.name))
+        kept = records.care(status.job.name)
+        return {
+            **wire.status_to_dict(status, kept),
+            **wire.scheduling_fields(records.submission(status.job.name), kept, records),
+        }
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
@@ -129,9 +163,16 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs")
     def jobs() -> list[dict[str, Any]]:
-        """Every job, as ``torpor ps --json`` shows it, with its policy."""
+        """Every job, as ``torpor ps --json`` shows it, with its policy (a queued job is in /v1/queue)."""
         cares = records.cares()
-        return [wire.status_to_dict(s, cares.get(s.job.name)) for s in engine.statuses()]
+        submissions = records.submissions()
+        return [
+            {
+                **wire.status_to_dict(s, cares.get(s.job.name)),
+                **wire.scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), records),
+            }
+            for s in engine.statuses()
+        ]
 
     @app.post("/v1/jobs", status_code=201)
     def run(body: RunRequest) -> dict[str, Any]:
@@ -203,8 +244,13 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     @app.delete("/v1/jobs/{name}")
     def remove(name: str, force: bool = False) -> dict[str, Any]:
+        """Remove a job and its checkpoints; a submitted job that waits in the queue is cancelled."""
+        submission = records.submission(name)
+        # queued: it has no jobs row yet (the scheduler marks a start before it creates the job)
+        if submission is not None and submission.queued and scheduling().cancel(name):
+            return {"job": name, "removed_checkpoints": [], "cancelled": True}
         removed = engine.remove(name, force=force)
-        return {"job": name, "removed_checkpoints": removed}
+        return {"job": name, "removed_checkpoints": removed, "cancelled": False}
 
     @app.get("/v1/jobs/{name}/policy")
     def get_policy(name: str) -> dict[str, Any]:
@@ -215,6 +261,44 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     def put_policy(name: str, changes: dict[str, Any]) -> dict[str, Any]:
         """Change fields of a job's policy (``null`` unsets one); an impossible one is refused (400)."""
         return care.set_policy(records, name, changes).to_dict()
+
+    @app.post("/v1/submit", status_code=201)
+    def submit(body: SubmitBody) -> dict[str, Any]:
+        """Give a job to the scheduler: it starts when its memory fits (maybe at once), else it waits."""
+        request = SubmitRequest(
+            command=body.command,
+            cwd=body.cwd,
+            env=body.env,
+            umask=body.umask,
+            memory=body.memory,
+            name=body.name,
+            cpus=body.cpus,
+            priority=body.priority,
+            project=body.project,
+        )
+        return wire.submission_to_dict(scheduling().submit(request))
+
+    @app.get("/v1/queue")
+    def queue_() -> dict[str, Any]:
+        """The budget, what is held and free, and every submitted job not ended (the queued first)."""
+        return scheduling().queue()
+
+    @app.get("/v1/quotas")
+    def quotas() -> dict[str, Any]:
+        """The budget and each project's share, borrowing limit, and what it holds and borrows now."""
+        return scheduling().quotas()
+
+    @app.put("/v1/quotas/{project}")
+    def set_quota(project: str, body: QuotaBody) -> dict[str, Any]:
+        """Set a project's share (and borrowing limit); shares beyond the budget are refused (400)."""
+        return wire.quota_to_dict(scheduling().set_quota(project, body.share, body.borrow_limit))
+
+    @app.delete("/v1/quotas/{project}")
+    def remove_quota(project: str) -> Any:
+        if scheduling().remove_quota(project):
+            return {"project": project, "removed": True}
+        missing = UsageError(f"no quota for project '{project}' (see 'torpor quota show')")
+        return JSONResponse(error_body(missing), status_code=404)
 
     @app.get("/v1/events")
     def events(

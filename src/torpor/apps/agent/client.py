@@ -19,7 +19,7 @@ from torpor.apps.agent import wire
 from torpor.apps.agent.locate import answers
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, Event, Job
+from torpor.core.records import Checkpoint, CheckpointId, Event, Job, Quota, Submission
 from torpor.core.store import StoredImage
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy.jobpolicy import JobPolicy
@@ -167,6 +167,60 @@ class AgentClient:
     def undrain(self) -> list[str]:
         return list(self._json("DELETE", "/v1/drain")["resumed"])
 
+    # -- the scheduler's ---------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        command: list[str],
+        *,
+        memory: str | int,
+        cwd: str,
+        env: dict[str, str],
+        umask: int,
+        name: str | None = None,
+        cpus: float = 1.0,
+        priority: int = 0,
+        project: str = "default",
+    ) -> Submission:
+        """Queue ``command`` for the scheduler; it starts in ``env``, ``cwd`` and ``umask`` once it fits.
+
+        A submission the scheduler refuses (too large for the budget, an unknown project, a negative
+        priority, a malformed size, a name in use) raises UsageError with every problem in one line.
+        """
+        body = {
+            "command": command,
+            "memory": memory,
+            "cwd": cwd,
+            "env": env,
+            "umask": umask,
+            "name": name,
+            "cpus": cpus,
+            "priority": priority,
+            "project": project,
+        }
+        return wire.submission_from_dict(self._json("POST", "/v1/submit", json=body))
+
+    def queue(self) -> dict[str, Any]:
+        """The node's budget, what is held and free, and every submitted job not ended (``GET /v1/queue``)."""
+        return dict(self._json("GET", "/v1/queue"))
+
+    def quotas(self) -> dict[str, Any]:
+        """The budget and each project's share, borrowing limit, and what it holds and borrows now."""
+        return dict(self._json("GET", "/v1/quotas"))
+
+    def set_quota(self, project: str, share: str | int, borrow_limit: str | int | None = None) -> Quota:
+        """Give ``project`` a guaranteed ``share``; it may borrow up to ``borrow_limit`` more (None: any)."""
+        body = {"share": share, "borrow_limit": borrow_limit}
+        return wire.quota_from_dict(self._json("PUT", f"/v1/quotas/{_quoted(project)}", json=body))
+
+    def remove_quota(self, project: str) -> None:
+        """Drop ``project``'s quota; UsageError when it has none."""
+        self._json("DELETE", f"/v1/quotas/{_quoted(project)}")
+
+    def remove_job(self, name: str, force: bool = False) -> dict[str, Any]:
+        """Remove a job, or cancel it if it waits in the queue: ``{"removed_checkpoints", "cancelled"}``."""
+        return dict(self._json("DELETE", f"/v1/jobs/{_quoted(name)}", params={"force": force}))
+
 
 class RemoteEngine:
     """The engine the CLI drives when an agent runs: its operations go to the agent, the rest stays local.
@@ -221,6 +275,13 @@ class RemoteEngine:
 
     def remove(self, name: str, force: bool = False) -> list[CheckpointId]:
         return self.client.remove(name, force)
+
+    def remove_or_cancel(self, name: str, force: bool = False) -> list[CheckpointId] | None:
+        """Remove a job (its checkpoints' ids), or, when it waits in the queue, cancel it (None)."""
+        result = self.client.remove_job(name, force)
+        if result.get("cancelled"):
+            return None
+        return [CheckpointId(c) for c in result["removed_checkpoints"]]
 
 
 def _quoted(name: str) -> str:
