@@ -4,6 +4,7 @@ on the test's own state directory, and stopped (or killed) by the test.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import TORPOR, Torpor
+from torpor.adapters import cgroups
 from torpor.apps.agent.locate import answers
 
 
@@ -115,6 +117,26 @@ def agent(torpor: Torpor, tmp_path: Path) -> Iterator[AgentProcess]:
     process = AgentProcess(torpor, tmp_path / "agent.log")
     yield process
     process.close()
+    remove_job_cgroups(torpor.home)
+
+
+def remove_job_cgroups(home: Path) -> None:
+    """The memory cgroups the scheduler made for the jobs of ``home`` (empty once they are gone)."""
+    found = cgroups.find_memory_controller()
+    if found is None:
+        return
+    scoped = found.scoped(cgroups.scope_of(home))
+    for name in scoped.job_names():
+        group = scoped.job(name)
+        for pid in group.pids():  # a job the test left behind: the torpor fixture's rm comes later
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while group.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.remove()
+    with contextlib.suppress(FileNotFoundError):
+        scoped.jobs.rmdir()
 
 
 def pid_alive(pid: int) -> bool:

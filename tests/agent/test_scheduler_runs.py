@@ -26,7 +26,7 @@ from conftest import Torpor, python_job
 from .conftest import AgentProcess
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "jobs"))
-import grower  # noqa: E402  (the job's own module: the test computes the digest it must print)
+import grower  # the job's own module: the test computes the digest it must print
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -105,7 +105,11 @@ def test_under_the_agent_none_is_killed_and_every_job_finishes_with_correct_outp
     expected = f"done {grower.expected(TARGET_MIB)}"
     for name in names:
         job = torpor.wait_state(name, "exited", "failed", timeout=240)
-        assert job["state"] == "exited" and job["exit_code"] == 0, (job, torpor.log(name), agent.log()[-3000:])
+        assert job["state"] == "exited" and job["exit_code"] == 0, (
+            job,
+            torpor.log(name),
+            agent.log()[-3000:],
+        )
         assert expected in torpor.log(name), torpor.log(name)
     events = agent.events()
     actions = [(e["job"], e["action"]) for e in events]
@@ -148,4 +152,6 @@ def test_a_higher_priority_job_starts_once_its_victim_is_hibernated_and_the_vict
     last = steps_of(torpor.log("low"))[-1]
     torpor.wait_log("low", f"step {last + 5}")
     steps = steps_of(torpor.log("low"))
-    assert steps == list(range(len(steps))), "the counter restarted or skipped: it did not resume where it was"
+    assert steps == list(range(len(steps))), (
+        "the counter restarted or skipped: it did not resume where it was"
+    )

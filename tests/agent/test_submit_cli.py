@@ -10,14 +10,12 @@ import shlex
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import TORPOR, Torpor
-from torpor.adapters import cgroups
 
 from .conftest import AgentProcess
 
@@ -54,20 +52,9 @@ def queued(torpor: Torpor) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(autouse=True)
-def tag() -> Iterator[str]:
-    """A suffix for the test's job names; once the test is over (its jobs removed), their cgroups go too.
-
-    The jobs' memory cgroups are shared by every agent that runs in this machine's cgroup of our processes
-    (the tests of others too): names that cannot collide keep the cleanup to this test's own. Set up
-    before the ``torpor`` fixture, so torn down after it has removed the jobs.
-    """
-    suffix = uuid.uuid4().hex[:6]
-    yield suffix
-    found = cgroups.detect_memory_controller()
-    if isinstance(found, cgroups.MemoryController):
-        for name in found.job_names():
-            if name.endswith(f"-{suffix}"):
-                found.job(name).remove()
+def tag() -> str:
+    """A suffix for the test's job names, so that what one test leaves (a cgroup, a log) is never another's."""
+    return uuid.uuid4().hex[:6]
 
 
 def start_agent(agent: AgentProcess) -> None:

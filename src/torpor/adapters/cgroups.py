@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import signal
@@ -127,11 +128,21 @@ class MemoryController:
     version: Literal[1, 2]
     #: the calling process's own memory cgroup (a folder of the hierarchy's mount)
     own: Path
+    #: one folder per state directory below ``torpor-jobs`` (:func:`scope_of`): agents of different
+    #: homes in one cgroup (tests side by side) each see their own jobs only, even of the same names
+    scope: str | None = None
 
     @property
     def jobs(self) -> Path:
-        """The parent of every job's folder: ``torpor-jobs`` in our own cgroup."""
-        return self.own / JOBS_FOLDER
+        """The parent of every job's folder: ``torpor-jobs`` in our own cgroup (and the scope's folder)."""
+        top = self.own / JOBS_FOLDER
+        return top if self.scope is None else top / self.scope
+
+    def scoped(self, scope: str) -> MemoryController:
+        """The same controller with the jobs of one state directory (``scope``) in a folder of their own."""
+        if not _NAME.fullmatch(scope):
+            raise UsageError(f"{scope!r} cannot name a cgroup folder")
+        return MemoryController(self.version, self.own, scope)
 
     def prepare(self) -> None:
         """Make ``torpor-jobs`` ready for children (idempotent; the agent calls it once at start).
@@ -143,18 +154,20 @@ class MemoryController:
         """
         if self.version == 2:
             _enable_memory(self.own)
-        try:
-            os.mkdir(self.jobs, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise EnvironmentProblem(
-                f"cannot create the jobs' cgroup {self.jobs}: {exc.strerror} (is torpor running as root?)"
-            ) from exc
-        if self.version == 1:
-            _write(self.jobs / "memory.oom_control", "1")
-        else:
-            _enable_memory(self.jobs)
+        folders = [self.own / JOBS_FOLDER] + ([self.jobs] if self.scope is not None else [])
+        for folder in folders:
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise EnvironmentProblem(
+                    f"cannot create the jobs' cgroup {folder}: {exc.strerror} (is torpor running as root?)"
+                ) from exc
+            if self.version == 1:
+                _write(folder / "memory.oom_control", "1")
+            else:
+                _enable_memory(folder)
 
     def job(self, name: str) -> JobCgroup:
         """The cgroup of job ``name`` (it need not exist yet). Names are single folder names."""
@@ -218,6 +231,11 @@ def detect_memory_controller(
             f"(cgroup.controllers: {' '.join(controllers) or 'none'})"
         )
     return MemoryController(2, folder)
+
+
+def scope_of(home: Path) -> str:
+    """The folder name of one state directory's jobs: a short digest of its resolved path."""
+    return "home-" + hashlib.blake2b(str(home.resolve()).encode(), digest_size=6).hexdigest()
 
 
 def find_memory_controller(

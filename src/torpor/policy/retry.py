@@ -50,8 +50,8 @@ RESUME_BACKOFF_S = (5.0, 300.0)
 
 
 def after_failed_resume(failures: int) -> float:
-    """Seconds before the scheduler tries again to resume a job whose restore failed ``failures`` times
-    in a row (its image is kept and it stays hibernated: trying every round would only repeat it):
-    5 s, 10 s, 20 s … at most 5 min."""
+    """Seconds before the scheduler tries again to resume (or start) a job whose restore (or start) failed
+    ``failures`` times in a row (its image is kept and it stays hibernated, or queued: trying every round
+    would only repeat it): 5 s, 10 s, 20 s … at most 5 min."""
     first, last = RESUME_BACKOFF_S
     return float(min(last, first * 2 ** max(0, failures - 1)))

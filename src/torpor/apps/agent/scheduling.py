@@ -22,6 +22,7 @@ kernel's OOM killer.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -150,8 +151,9 @@ class Scheduling:
         #: launchers started ahead for the jobs that victims make room for (:meth:`_prepare`), and when
         self._prepared: dict[JobName, tuple[PreparedRun, float]] = {}
         self._preparing = threading.Lock()
-        #: jobs whose restore failed: how many times in a row, and when last (a new agent tries at once)
-        self._resume_failures: dict[str, tuple[int, float]] = {}
+        #: jobs whose start or restore failed: how many times in a row, and when last (a new agent tries
+        #: at once)
+        self._failures: dict[tuple[str, str], tuple[int, float]] = {}
 
     # -- asked through the API ---------------------------------------------------------------------------
 
@@ -170,11 +172,12 @@ class Scheduling:
             problems.append(f"--cpus {request.cpus:g}: a job needs more than 0 CPUs")
         if not request.command:
             problems.append("no command given: torpor submit --memory SIZE -- COMMAND [ARGS...]")
-        elif (
-            "/" not in request.command[0]
-            and shutil.which(request.command[0], path=request.env.get("PATH")) is None
-        ):
-            problems.append(f"command not found: {request.command[0]}")
+        else:
+            search = request.env.get("PATH") if "/" not in request.command[0] else None
+            if shutil.which(request.command[0], path=search) is None:
+                problems.append(f"command not found: {request.command[0]}")
+        if not os.path.isdir(request.cwd):
+            problems.append(f"the working directory {request.cwd} does not exist")
         if problems:
             raise UsageError("; ".join(problems))
         memory = request.memory if isinstance(request.memory, int) else parse_size(request.memory)
@@ -343,6 +346,8 @@ class Scheduling:
         for name, submission in submissions.items():
             job = by_name.get(name)
             if submission.queued:
+                if self._backing_off("start", name, now):
+                    continue  # its start failed: not a candidate (holding no room) until its next try
                 seen.append(
                     scheduler.Job(
                         name=name,
@@ -418,7 +423,7 @@ class Scheduling:
         if state == State.HIBERNATED:
             marked = care.hibernated_by if care is not None else None
             hibernated_by = CAUSES.get(str(marked), Cause.USER) if marked else Cause.USER
-            if self._backing_off(name, now):
+            if self._backing_off("resume", name, now):
                 hibernated_by = Cause.USER  # its restore failed: not a candidate until its next try
         running_since = (job.started_at or job.created_at) if job is not None else now
         since = max(running_since, latest.created_at) if latest is not None else running_since
@@ -580,9 +585,12 @@ class Scheduling:
                 if self.records.submission(name) is not None and name not in {
                     j.name for j in self.records.jobs()
                 }:
-                    # not even a failed job on record: it waits again, with the reason
+                    # not even a failed job on record: it waits again, with the reason, and a while
+                    wait = self._failed("start", name)
                     self.records.update_submission(
-                        name, started_at=None, why=f"could not start: {exc.message}"
+                        name,
+                        started_at=None,
+                        why=f"could not start ({exc.message}); tried again in {format_duration(wait)}",
                     )
                 raise
             finally:
@@ -677,14 +685,12 @@ class Scheduling:
                     name, warn=lambda t: log.warning("%s: %s", name, t)
                 )
             except TorporError as exc:
-                failures = self._resume_failures.get(name, (0, 0.0))[0] + 1
-                self._resume_failures[name] = (failures, time.time())
-                wait = retry.after_failed_resume(failures)
+                wait = self._failed("resume", name)
                 self.records.update_submission(
                     name, why=f"its restore failed ({exc.message}); tried again in {format_duration(wait)}"
                 )
                 raise
-            self._resume_failures.pop(name, None)
+            self._failures.pop(("resume", name), None)
             self._continue(name)
             self.records.mark_hibernated(name, None)
             waited = current.waited_s + max(0.0, time.time() - (current.hibernated_at or now))
@@ -702,9 +708,16 @@ class Scheduling:
 
         self.agent.submit(name, "resume", f"room again for {format_size(seen.charge)}", self._nudging(work))
 
-    def _backing_off(self, name: str, now: float) -> bool:
-        """Whether ``name``'s last restores failed and its next try is not due yet (policy.retry)."""
-        failures, at = self._resume_failures.get(name, (0, 0.0))
+    def _failed(self, what: str, name: str) -> float:
+        """Count a failed start or resume of ``name``; the seconds until it is tried again (policy.retry)."""
+        with self._preparing:
+            failures = self._failures.get((what, name), (0, 0.0))[0] + 1
+            self._failures[(what, name)] = (failures, time.time())
+        return retry.after_failed_resume(failures)
+
+    def _backing_off(self, what: str, name: str, now: float) -> bool:
+        """Whether ``name``'s last starts or resumes (``what``) failed and its next try is not due yet."""
+        failures, at = self._failures.get((what, name), (0, 0.0))
         return failures > 0 and now < at + retry.after_failed_resume(failures)
 
     def _cgroup_usage(self, name: str) -> int | None:

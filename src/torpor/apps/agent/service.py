@@ -124,7 +124,7 @@ class Agent:
         self.before_restore: list[Callable[[JobName], None]] = []
         #: set to have the next round now (a submit, or the end of an action that freed or took memory)
         self._nudged = threading.Event()
-        self.controller = memory_controller()
+        self.controller = memory_controller(settings.home)
         self.scheduling = Scheduling(self, options.scheduling, controller=self.controller)
 
     # -- starting and stopping -------------------------------------------------------------------------
@@ -552,12 +552,16 @@ def take_lock(path: Path) -> int:
     return fd
 
 
-def memory_controller() -> cgroups.MemoryController | None:
-    """The memory controller the scheduler gives each job a cgroup of; None (and why, in the log) without."""
-    found = cgroups.detect_memory_controller()
-    if isinstance(found, cgroups.NoMemoryController):
-        log.warning("no memory cgroups for the jobs (%s): their usage is read from /proc alone", found.reason)
+def memory_controller(home: Path) -> cgroups.MemoryController | None:
+    """The memory controller the scheduler gives each job of ``home`` a cgroup of; None (and why, in the
+    log) without."""
+    detected = cgroups.detect_memory_controller()
+    if isinstance(detected, cgroups.NoMemoryController):
+        log.warning(
+            "no memory cgroups for the jobs (%s): their usage is read from /proc alone", detected.reason
+        )
         return None
+    found = detected.scoped(cgroups.scope_of(home))
     try:
         found.prepare()
     except TorporError as exc:
