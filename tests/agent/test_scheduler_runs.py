@@ -155,3 +155,66 @@ def test_a_higher_priority_job_starts_once_its_victim_is_hibernated_and_the_vict
     assert steps == list(range(len(steps))), (
         "the counter restarted or skipped: it did not resume where it was"
     )
+
+
+def test_a_project_below_its_share_reclaims_what_another_borrowed(
+    torpor: Torpor, agent: AgentProcess
+) -> None:
+    agent.start("--memory-budget", "1G")
+    torpor.run("quota", "set", "ml", "--share", "512M")
+    torpor.run("quota", "set", "web", "--share", "512M")
+    # ml borrows: 800M is more than its share, and web leaves its own unused
+    torpor.run(
+        "submit",
+        "--name",
+        "borrower",
+        "--memory",
+        "800M",
+        "--project",
+        "ml",
+        "--",
+        *python_job("counter.py")[1:],
+    )
+    torpor.wait_log("borrower", "step 5")
+    after = agent.last_event_id()
+    torpor.run(
+        "submit", "--name", "owner", "--memory", "400M", "--project", "web", "--",
+        sys.executable, "-c", "import time; print('owner runs', flush=True); time.sleep(2)",
+    )  # fmt: skip
+    reclaimed = agent.wait_event("hibernate", "borrower", after=after)
+    assert reclaimed["detail"]["cause"] == "reclaimed" and reclaimed["detail"]["for_job"] == "owner", (
+        reclaimed
+    )
+    agent.wait_event("start", "owner", after=after)
+    torpor.wait_log("owner", "owner runs")
+    agent.wait_event("resume", "borrower", timeout=60, after=after)
+    last = steps_of(torpor.log("borrower"))[-1]
+    torpor.wait_log("borrower", f"step {last + 3}")
+    steps = steps_of(torpor.log("borrower"))
+    assert steps == list(range(len(steps)))
+
+
+def test_an_agent_killed_while_a_job_is_preempted_brings_it_back_after_its_restart(
+    torpor: Torpor, agent: AgentProcess
+) -> None:
+    agent.start("--memory-budget", "1G")
+    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
+    torpor.wait_log("low", "step 5")
+    after = agent.last_event_id()
+    torpor.run(
+        "submit", "--name", "high", "--memory", "700M", "--priority", "5", "--",
+        sys.executable, "-c", "import time; print('high runs', flush=True); time.sleep(6)",
+    )  # fmt: skip
+    torpor.run(
+        "submit", "--name", "later", "--memory", "700M", "--", sys.executable, "-c", "print('later ran')"
+    )
+    agent.wait_event("start", "high", after=after)
+    agent.kill()  # kill -9: what it knew is in the records (why low is hibernated, what waits)
+    assert torpor.job("low")["state"] == "hibernated"
+    agent.start("--memory-budget", "1G")
+    # once high is done, low (hibernated by the scheduler) and later (still queued) run, one after the other
+    agent.wait_event("resume", "low", timeout=90, after=after)
+    torpor.wait_log("low", f"step {steps_of(torpor.log('low'))[-1] + 3}")
+    torpor.run("rm", "--force", "low")
+    torpor.wait_state("later", "exited", timeout=90)
+    assert "later ran" in torpor.log("later")
