@@ -227,7 +227,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
                 rewind=body.rewind,
                 warn=warn,
             )
-            records.mark_hibernated(job.name, None)
+            agent.scheduling.restored(job.name)  # its marks end; a job dumped stopped goes on
             agent.event(job.name, "resume", "asked through the API", checkpoint=taken.id, restore_s=seconds)
             return {
                 "job": wire.job_to_dict(job),

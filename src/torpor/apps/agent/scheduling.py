@@ -21,6 +21,7 @@ kernel's OOM killer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -414,7 +415,7 @@ class Scheduling:
             usage = system.resident_bytes(system.namespace_members(job.pid))
         if self.controller is not None and state in (State.RUNNING, State.HIBERNATING):
             try:
-                group = self.controller.job(name)
+                group = self._group(name)
                 if group.exists():
                     limit, cgroup_usage = group.limit(), group.usage()
             except TorporError as exc:  # gone meanwhile (the job ended): nothing to read this round
@@ -518,7 +519,7 @@ class Scheduling:
         and continued after its restore (:meth:`_continue`)."""
         if self.controller is None:
             return
-        group = self.controller.job(name)
+        group = self._group(name)
         if not group.exists():
             return
         limit = group.limit()
@@ -531,7 +532,7 @@ class Scheduling:
         """A job dumped stopped (:meth:`_unstall`) is restored stopped: let it go on."""
         if self.controller is None:
             return
-        group = self.controller.job(name)
+        group = self._group(name)
         if any(system.process_state(pid) in ("T", "t") for pid in group.pids()):
             group.continue_processes()
 
@@ -539,7 +540,7 @@ class Scheduling:
         self.records.update_submission(action.job, mem_limit=action.limit)
         if seen.state != State.RUNNING or self.controller is None:
             return  # a hibernated job gets it when it is restored
-        group = self.controller.job(action.job)
+        group = self._group(action.job)
         if not group.exists():
             return
         old = group.limit()
@@ -563,7 +564,7 @@ class Scheduling:
         """The job's cgroup with ``limit``, made if missing (None where the machine has no memory controller)."""
         if self.controller is None:
             return None
-        group = self.controller.job(name)
+        group = self._group(name)
         group.create(limit)
         return group.path
 
@@ -611,10 +612,14 @@ class Scheduling:
             cgroup=cgroup,
         )
 
+    def _group(self, name: str) -> cgroups.JobCgroup:
+        assert self.controller is not None
+        return self.controller.job(_folder(name))
+
     def _group_path(self, name: str) -> Path | None:
         if self.controller is None:
             return None
-        group = self.controller.job(name)
+        group = self._group(name)
         return group.path if group.exists() else None
 
     def _prepare(self, name: JobName, now: float) -> None:
@@ -691,22 +696,30 @@ class Scheduling:
                 )
                 raise
             self._failures.pop(("resume", name), None)
-            self._continue(name)
-            self.records.mark_hibernated(name, None)
-            waited = current.waited_s + max(0.0, time.time() - (current.hibernated_at or now))
-            self.records.update_submission(
-                name,
-                hibernated_at=None,
-                usage_at_hibernation=None,
-                cgroup_usage_at_hibernation=None,
-                mem_limit=limit if self.controller is not None else None,
-                room_for=None,
-                waited_s=waited,
-                why=None,
-            )
+            self.restored(name)
+            if self.controller is not None:
+                self.records.update_submission(name, mem_limit=limit)
             return {"checkpoint": checkpoint.id, "restore_s": seconds, "pid": job.pid}
 
         self.agent.submit(name, "resume", f"room again for {format_size(seen.charge)}", self._nudging(work))
+
+    def restored(self, name: str) -> None:
+        """``name`` was restored (by the scheduler, or by someone through the agent): continue it if it was
+        dumped stopped (:meth:`_unstall`), and end what the scheduler kept of its hibernation."""
+        self._continue(JobName(name))
+        self.records.mark_hibernated(JobName(name), None)
+        submission = self.records.submission(name)
+        if submission is None or submission.hibernated_at is None:
+            return
+        self.records.update_submission(
+            name,
+            hibernated_at=None,
+            usage_at_hibernation=None,
+            cgroup_usage_at_hibernation=None,
+            room_for=None,
+            waited_s=submission.waited_s + max(0.0, time.time() - submission.hibernated_at),
+            why=None,
+        )
 
     def _failed(self, what: str, name: str) -> float:
         """Count a failed start or resume of ``name``; the seconds until it is tried again (policy.retry)."""
@@ -723,7 +736,7 @@ class Scheduling:
     def _cgroup_usage(self, name: str) -> int | None:
         if self.controller is None:
             return None
-        group = self.controller.job(name)
+        group = self._group(name)
         return group.usage() if group.exists() else None
 
     def _nudging(self, work: Any) -> Any:
@@ -742,17 +755,17 @@ class Scheduling:
         """Remove the cgroups of jobs that ended or were removed (those that hold no process any more)."""
         if self.controller is None:
             return
-        known = {job.name for job in snapshot.jobs}
-        for name in self.controller.job_names():
-            if name in known:
+        known = {_folder(job.name) for job in snapshot.jobs}
+        for folder in self.controller.job_names():
+            if folder in known:
                 continue
-            group = self.controller.job(name)
+            group = self.controller.job(folder)
             if group.pids():
                 continue
             try:
                 group.remove()
             except TorporError as exc:
-                log.warning("%s: %s", name, exc.message)
+                log.warning("%s: %s", folder, exc.message)
 
 
 _HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
@@ -765,6 +778,14 @@ RESTORE_MARGIN = 16 << 20
 
 #: seconds a launcher prepared for a job waits for its room before it is called off
 PREPARED_FOR_S = 120.0
+
+
+def _folder(name: str) -> str:
+    """The cgroup folder of job ``name``: the name itself, or for one beyond ASCII (job names may hold any
+    letter), a digest of it."""
+    if name.isascii():
+        return name
+    return "u-" + hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
 
 
 def _number(value: object) -> float:

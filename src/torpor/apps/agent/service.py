@@ -331,7 +331,7 @@ class Agent:
 
     def _resume(self, name: JobName) -> dict[str, Any]:
         job, checkpoint, seconds = self.engine.restore(name, warn=lambda t: log.warning("%s: %s", name, t))
-        self.records.mark_hibernated(name, None)
+        self.scheduling.restored(name)
         return {"checkpoint": checkpoint.id, "restore_s": seconds, "pid": job.pid}
 
     # -- evacuation --------------------------------------------------------------------------------------
