@@ -441,6 +441,39 @@ def listening_sockets(pids: list[int]) -> list[TcpAddress]:
     return sorted(found)
 
 
+def has_tcp_sockets(pids: list[int]) -> bool:
+    """Whether any of ``pids`` holds a TCP socket (v4 or v6) that is bound, listening or connected: one
+    the kernel lists in ``/proc/PID/net/tcp{,6}`` (a socket just created, never bound, is not there).
+
+    A process gone meanwhile is left out.
+    """
+    tables: dict[str | None, set[int]] = {}
+    for pid in pids:
+        inodes = _socket_inodes(pid)
+        if not inodes:
+            continue
+        namespace = _net_namespace(pid)
+        if namespace not in tables:
+            tables[namespace] = _tcp_inodes(pid)
+        if any(inode in tables[namespace] for inode in inodes):
+            return True
+    return False
+
+
+def _tcp_inodes(pid: int) -> set[int]:
+    """The inodes of every TCP socket (any state) of ``pid``'s network namespace."""
+    found: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as lines:
+                next(lines, None)  # the header
+                found.update(int(row[9]) for row in (line.split() for line in lines) if len(row) >= 10)
+        except (OSError, ValueError):
+            continue
+    found.discard(0)  # sockets in TIME_WAIT and the like, which no process holds
+    return found
+
+
 def is_listening(address: TcpAddress) -> bool:
     """Whether a socket of this network namespace listens on exactly ``address`` now (no connection made:
     a server that is asked whether it is up, by connecting, sees a connection that says nothing)."""
