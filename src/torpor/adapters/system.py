@@ -19,9 +19,10 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWIPC = 0x08000000
@@ -429,16 +430,12 @@ def listening_sockets(pids: list[int]) -> list[TcpAddress]:
     A process gone meanwhile is left out.
     """
     found: set[TcpAddress] = set()
-    tables: dict[str | None, dict[int, TcpAddress]] = {}
-    for pid in pids:
-        inodes = _socket_inodes(pid)
-        if not inodes:
-            continue
-        namespace = _net_namespace(pid)
-        if namespace not in tables:
-            tables[namespace] = _tcp_listening(pid)
-        found.update(tables[namespace][inode] for inode in inodes if inode in tables[namespace])
+    for inodes, table in _with_tcp_table(pids, _tcp_listening):
+        found.update(table[inode] for inode in inodes if inode in table)
     return sorted(found)
+
+
+_Table = TypeVar("_Table", bound=Container[int])
 
 
 def has_tcp_sockets(pids: list[int]) -> bool:
@@ -447,17 +444,21 @@ def has_tcp_sockets(pids: list[int]) -> bool:
 
     A process gone meanwhile is left out.
     """
-    tables: dict[str | None, set[int]] = {}
+    return any(inode in table for inodes, table in _with_tcp_table(pids, _tcp_inodes) for inode in inodes)
+
+
+def _with_tcp_table(pids: list[int], read: Callable[[int], _Table]) -> Iterator[tuple[list[int], _Table]]:
+    """Each of ``pids``' socket inodes with its network namespace's TCP table as ``read(pid)`` gives it
+    (read once per namespace); processes without sockets, or gone, are left out."""
+    tables: dict[str | None, _Table] = {}
     for pid in pids:
         inodes = _socket_inodes(pid)
         if not inodes:
             continue
         namespace = _net_namespace(pid)
         if namespace not in tables:
-            tables[namespace] = _tcp_inodes(pid)
-        if any(inode in tables[namespace] for inode in inodes):
-            return True
-    return False
+            tables[namespace] = read(pid)
+        yield inodes, tables[namespace]
 
 
 def _tcp_inodes(pid: int) -> set[int]:

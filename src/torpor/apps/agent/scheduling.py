@@ -314,19 +314,6 @@ class Scheduling:
             ],
         }
 
-    def describe(self, name: str) -> dict[str, Any] | None:
-        """What ``torpor ps`` adds for a submitted job: its request, usage, limit and why it waits."""
-        submission = self.records.submission(name)
-        if submission is None:
-            return None
-        return {
-            "request": submission.memory,
-            "limit": submission.mem_limit,
-            "priority": submission.priority,
-            "project": submission.project,
-            "why": submission.why,
-        }
-
     # -- the round -----------------------------------------------------------------------------------------
 
     def adopt(self) -> None:
