@@ -209,12 +209,9 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     )
     assert proc.stderr is not None
     assert "dumping" in proc.stderr.readline()
-    # kill it while the dump is really in progress: CRIU has seized (t) or torpor stopped (T) the job
-    torpor.wait_for(
-        lambda: any(system.process_state(p) in ("t", "T") for p in system.namespace_members(pid)),
-        timeout=60,
-        what="the dump to freeze the job",
-    )
+    # kill it while the dump is really in progress: CRIU traces the job from its seize to the end of the
+    # dump (while its parasite runs in the job the state is S or R, not t: only the tracer says so)
+    torpor.wait_for(lambda: traced(pid), timeout=60, what="the dump to seize the job")
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 4, stderr
@@ -222,6 +219,18 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     job = torpor.wait_state("dies", "failed")
     assert job["exit_code"] == 128 + 9
     assert torpor.json("checkpoints") == []
+
+
+def traced(pid: int) -> bool:
+    """Whether a process of job ``pid``'s tree is being traced (by CRIU, during a dump)."""
+    for member in system.namespace_members(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        if any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in status.splitlines()):
+            return True
+    return False
 
 
 @pytest.mark.criu

@@ -116,7 +116,11 @@ def test_under_the_agent_none_is_killed_and_every_job_finishes_with_correct_outp
     # the node was too small for all three at their peak: the scheduler did something about it
     assert any(action == "hibernate" for _, action in actions), actions
     assert any(action == "resume" for _, action in actions), actions
-    assert not [e for e in events if e.get("detail", {}).get("error")], events
+    failed = [
+        (e["job"], e["action"], e["reason"], e["detail"]["error"]) for e in events if e["detail"].get("error")
+    ]
+    # a job the guard chose as it finished may exit in the middle of its dump: that loses nothing
+    assert all("exited" in error for *_, error in failed), (failed, agent.log()[-4000:])
 
 
 def test_a_higher_priority_job_starts_once_its_victim_is_hibernated_and_the_victim_resumes_where_it_was(
@@ -218,3 +222,25 @@ def test_an_agent_killed_while_a_job_is_preempted_brings_it_back_after_its_resta
     torpor.run("rm", "--force", "low")
     torpor.wait_state("later", "exited", timeout=90)
     assert "later ran" in torpor.log("later")
+
+
+def test_a_victim_dumped_stopped_goes_on_when_a_person_resumes_it_without_the_agent(
+    torpor: Torpor, agent: AgentProcess
+) -> None:
+    """The scheduler stops a job with a memory limit before its dump (a job reaching its limit while CRIU
+    works would stall it); whoever restores that checkpoint continues it: here torpor resume, embedded."""
+    agent.start("--memory-budget", "1G")
+    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
+    torpor.wait_log("low", "step 5")
+    after = agent.last_event_id()
+    torpor.run(
+        "submit", "--name", "high", "--memory", "700M", "--priority", "5", "--",
+        sys.executable, "-c", "import time; time.sleep(60)",
+    )  # fmt: skip
+    agent.wait_event("hibernate", "low", after=after)
+    agent.stop()  # SIGINT: the agent goes, high runs on, low stays hibernated
+    last = steps_of(torpor.log("low"))[-1]
+    torpor.run("resume", "low")
+    torpor.wait_log("low", f"step {last + 5}", timeout=30)  # counting again: not left stopped
+    steps = steps_of(torpor.log("low"))
+    assert steps == list(range(len(steps)))

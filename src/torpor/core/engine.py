@@ -10,9 +10,11 @@ store's (:meth:`~torpor.core.store.ImageStore.restore_source`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -443,6 +445,15 @@ class Engine:
         hibernation = self.records.latest_checkpoint(job.name)
         if previous.state == JobState.HIBERNATED and hibernation and hibernation.id != checkpoint.id:
             self._release_network_lock(job.name, hibernation.id, progress)
+        if self.records.stopped_dump(job.name) == checkpoint.id:
+            # torpor stopped the tree for that dump (the scheduler, at a memory limit): CRIU restored it
+            # stopped, and it goes on now, whoever restored it
+            restored = self.records.job(job.name)
+            if restored.pid:
+                for pid in system.namespace_members(restored.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+            self.records.mark_stopped_dump(job.name, None)
         return self.records.job(job.name), checkpoint, time.monotonic() - started
 
     def _release_network_lock(self, name: JobName, hibernation: CheckpointId, progress: Progress) -> None:

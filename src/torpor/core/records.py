@@ -384,6 +384,7 @@ class Records:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
             db.execute("DELETE FROM policies WHERE job=?", (name,))
             db.execute("DELETE FROM submissions WHERE name=?", (name,))
+            db.execute("DELETE FROM meta WHERE key=?", ("stopped-dump." + name,))
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -570,6 +571,25 @@ class Records:
         with self.transaction() as db:
             rows = db.execute("SELECT * FROM quotas ORDER BY project").fetchall()
         return {row["project"]: Quota(row["project"], row["share"], row["borrow_limit"]) for row in rows}
+
+    def mark_stopped_dump(self, name: JobName, checkpoint_id: CheckpointId | None) -> None:
+        """Say that torpor stopped job ``name``'s processes (SIGSTOP) before dumping it into
+        ``checkpoint_id`` (the scheduler does, for a job at its memory limit): a restore from that
+        checkpoint continues them. None: no such mark."""
+        with self.transaction() as db:
+            if checkpoint_id is None:
+                db.execute("DELETE FROM meta WHERE key=?", ("stopped-dump." + name,))
+            else:
+                db.execute(
+                    "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    ("stopped-dump." + name, checkpoint_id),
+                )
+
+    def stopped_dump(self, name: str) -> CheckpointId | None:
+        """The checkpoint of ``name`` that was dumped with its processes stopped by torpor, if any."""
+        with self.transaction() as db:
+            row = db.execute("SELECT value FROM meta WHERE key=?", ("stopped-dump." + name,)).fetchone()
+        return CheckpointId(row[0]) if row else None
 
     def node_flag(self, key: str) -> str | None:
         """A value the node keeps across restarts (``draining``: why it refuses new jobs)."""

@@ -466,17 +466,21 @@ class Scheduling:
             return
 
         def work(name: JobName) -> dict[str, Any]:
+            if self.records.job(name).state != JobState.RUNNING:
+                return {"skipped": "it was no longer running (it ended, or someone acted on it first)"}
             submission = self.records.submission(name)
             # marked first: an agent killed mid-way finds the job hibernated by the scheduler, and resumes it
             self.records.mark_hibernated(name, str(action.cause))
             try:
-                self._unstall(name)
+                stopped = self._unstall(name)
                 held = self._cgroup_usage(name)
                 checkpoint = self.agent.hibernate(name, str(action.cause))
             except BaseException:
                 if self.records.job(name).state != JobState.HIBERNATED:
                     self.records.mark_hibernated(name, None)
                 raise
+            if stopped:  # whoever restores it, embedded or through an agent, continues it
+                self.records.mark_stopped_dump(name, checkpoint.id)
             if submission is not None:
                 self.records.update_submission(
                     name,
@@ -500,28 +504,23 @@ class Scheduling:
         if action.for_job is not None:
             self._prepare(JobName(action.for_job), time.time())
 
-    def _unstall(self, name: JobName) -> None:
+    def _unstall(self, name: JobName) -> bool:
         """A job stalled at its cgroup limit cannot be dumped (CRIU cannot seize a task asleep in the
-        cgroup's OOM wait): stop it and give it room for CRIU's parasite first. It is dumped stopped,
-        and continued after its restore (:meth:`_continue`)."""
+        cgroup's OOM wait), nor one that reaches it while CRIU works: stop it (SIGSTOP) and give it room
+        for CRIU's parasite first. It is dumped stopped, and continued by its restore
+        (``Records.mark_stopped_dump``); a failed dump continues it at once (as every failed checkpoint
+        does).
+        Whether it was stopped."""
         if self.controller is None:
-            return
+            return False
         group = self._group(name)
-        if not group.exists():
-            return
-        limit = group.limit()
-        # at its limit or a fault away from it: CRIU's parasite would stall it there
-        near = limit is not None and group.usage() + STALL_MARGIN >= limit
-        if (group.stalled() or near) and not group.unstall_for_dump():
+        if not group.exists() or group.limit() is None:
+            return False
+        # stopped whatever its usage now: a job allocates faster than the dump begins (a step of 50 MiB
+        # takes it from well below its limit to it), and then CRIU's seize or its parasite stalls there
+        if not group.unstall_for_dump():
             log.warning("%s: still stalled at its cgroup limit after stopping it; its dump may fail", name)
-
-    def _continue(self, name: JobName) -> None:
-        """A job dumped stopped (:meth:`_unstall`) is restored stopped: let it go on."""
-        if self.controller is None:
-            return
-        group = self._group(name)
-        if any(system.process_state(pid) in ("T", "t") for pid in group.pids()):
-            group.continue_processes()
+        return True
 
     def _raise(self, action: RaiseLimit, seen: scheduler.Job) -> None:
         self.records.update_submission(action.job, mem_limit=action.limit)
@@ -691,9 +690,9 @@ class Scheduling:
         self.agent.submit(name, "resume", f"room again for {format_size(seen.charge)}", self._nudging(work))
 
     def restored(self, name: str) -> None:
-        """``name`` was restored (by the scheduler, or by someone through the agent): continue it if it was
-        dumped stopped (:meth:`_unstall`), and end what the scheduler kept of its hibernation."""
-        self._continue(JobName(name))
+        """``name`` was restored (by the scheduler, or by someone through the agent): end what the
+        scheduler kept of its hibernation. (A job dumped stopped, :meth:`_unstall`, was continued by the
+        restore itself: ``Records.mark_stopped_dump``.)"""
         self.records.mark_hibernated(JobName(name), None)
         submission = self.records.submission(name)
         if submission is None or submission.hibernated_at is None:
@@ -756,9 +755,6 @@ class Scheduling:
 
 
 _HOLDING = frozenset({State.STARTING, State.RUNNING, State.HIBERNATING})
-
-#: a job this close to its cgroup limit is stopped before its dump, as a stalled one (:meth:`Scheduling._unstall`)
-STALL_MARGIN = 16 << 20
 
 #: room a restore gets beyond what the job's cgroup held when it was dumped (CRIU's restorer needs some)
 RESTORE_MARGIN = 16 << 20
