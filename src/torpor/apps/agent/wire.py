@@ -134,6 +134,6 @@ def hibernation_reason(records: Records, name: str) -> str | None:
     """The reason of the scheduler's last hibernation of ``name`` (``preempted by big (priority 5 > 0)``),
     from its events: the submission's ``why`` moves on to why the job waits to come back."""
     for event in reversed(records.events(0, name, 100)):
-        if event.action == "hibernate" and "error" not in event.detail:
+        if event.action == "hibernate" and "error" not in event.detail and "skipped" not in event.detail:
             return event.reason
     return None
