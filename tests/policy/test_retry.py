@@ -33,13 +33,3 @@ def test_a_failed_resume_is_tried_again_later_and_later_up_to_five_minutes() -> 
     waits = [after_failed_resume(n) for n in range(1, 10)]
     assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
     assert waits == sorted(waits) and max(waits) == 300.0
-
-
-def test_a_dump_without_the_tcp_options_that_met_a_connection_is_made_again_at_once_with_them() -> None:
-    tcp_error = "(00.2) Error (criu/sk-inet.c:197): inet: Connected TCP socket, consider using --tcp-established option."
-    assert after_failed_dump(1, [tcp_error], tcp=False) == Retry(again=True, tcp=True)
-    assert after_failed_dump(1, [tcp_error], tcp=True) == GIVE_UP  # with them already: it is something else
-    assert after_failed_dump(DUMP_ATTEMPTS, [tcp_error], tcp=False) == GIVE_UP
-    assert after_failed_dump(1, [ZOMBIE], tcp=False) == Retry(
-        again=True, delay_s=pytest.approx(0.1), tcp=False
-    )

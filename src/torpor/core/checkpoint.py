@@ -96,9 +96,6 @@ def checkpoint_in_launcher(
                 leave_running=not hibernate,
                 extra=ctx.settings.criu_extra,
                 external_unix=system.unix_socket_inodes(pids) if ext_unix_sk else (),
-                # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
-                # fails the dump, which is tried again with it (policy.retry)
-                tcp=system.has_tcp_sockets(pids),
             )
         finally:
             if not hibernate:
@@ -191,17 +188,15 @@ def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any)
     of an epoch) is tried again, a few times, from an empty folder.
     """
     attempt = 1
-    tcp = bool(options.pop("tcp", True))
     while True:
         try:
-            return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
+            return criu.dump(pid, images_dir, log_path, **options)
         except (CheckpointFailed, StorageFull):
-            decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp)
+            decision = retry.after_failed_dump(attempt, log_excerpt(log_path))
             if not decision.again:
                 raise
         _empty_folder(images_dir)
         time.sleep(decision.delay_s)
-        tcp = decision.tcp
         attempt += 1
 
 

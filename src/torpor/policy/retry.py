@@ -19,40 +19,29 @@ DUMP_ATTEMPTS = 3
 BACKOFF_S = 0.1
 
 
-#: CRIU log lines that say a dump made without ``--tcp-established`` met a TCP connection: one appeared
-#: after torpor looked (a tree with no TCP socket is dumped without it, and without the network lock)
-TCP_DUMP_ERRORS: tuple[str, ...] = ("consider using --tcp-established",)
-
-
 @dataclass(frozen=True)
 class Retry:
-    """The decision after a failed dump: try ``again`` after ``delay_s`` seconds (``tcp``: with the TCP
-    connections' options and the network lock), or give up."""
+    """The decision after a failed dump: try ``again`` after ``delay_s`` seconds, or give up."""
 
     again: bool
     delay_s: float = 0.0
-    tcp: bool = True
 
 
 GIVE_UP = Retry(again=False)
 
 
-def after_failed_dump(attempt: int, error_lines: Sequence[str], tcp: bool = True) -> Retry:
-    """After failed attempt number ``attempt`` (1-based) whose CRIU log said ``error_lines``; ``tcp``:
-    whether it was made with the TCP connections' options.
+def after_failed_dump(attempt: int, error_lines: Sequence[str]) -> Retry:
+    """After failed attempt number ``attempt`` (1-based) whose CRIU log said ``error_lines``.
 
     1. No attempts are left (``attempt`` >= :data:`DUMP_ATTEMPTS`): give up.
-    2. Made without them, and a line says a TCP connection needs them: try again at once, with them.
-    3. No line names a passing error: give up (trying again would fail the same way).
-    4. Otherwise try again after ``attempt`` × :data:`BACKOFF_S` (0.1 s, then 0.2 s), as it was.
+    2. No line names a passing error: give up (trying again would fail the same way).
+    3. Otherwise try again after ``attempt`` × :data:`BACKOFF_S` (0.1 s, then 0.2 s).
     """
     if attempt >= DUMP_ATTEMPTS:
         return GIVE_UP
-    if not tcp and any(marker in line for line in error_lines for marker in TCP_DUMP_ERRORS):
-        return Retry(again=True, tcp=True)
     if not any(marker in line for line in error_lines for marker in PASSING_DUMP_ERRORS):
         return GIVE_UP
-    return Retry(again=True, delay_s=BACKOFF_S * attempt, tcp=tcp)
+    return Retry(again=True, delay_s=BACKOFF_S * attempt)
 
 
 #: the scheduler's wait before it tries again to resume a job whose restore failed: doubled after each
