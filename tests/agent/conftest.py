@@ -74,8 +74,9 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def events(self, job: str | None = None) -> list[dict[str, Any]]:
-        args = ["events", "--json"] + (["--job", job] if job else [])
-        return list(json.loads(self.torpor.run(*args).stdout))
+        # filtered here: 'torpor events --job' refuses a name with no job yet (a submission still queued)
+        events = json.loads(self.torpor.run("events", "--json").stdout)
+        return [e for e in events if job is None or e["job"] == job]
 
     def wait_event(
         self, action: str, job: str | None = None, timeout: float = 60, after: int = 0
