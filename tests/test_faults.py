@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import TORPOR, MountTmpfs, OutsideUnixServer, Torpor, python_job
 from torpor.adapters import criu, system
+from torpor.core import checkpoint
 from torpor.errors import CheckpointFailed, StorageFull
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,6 +194,61 @@ def test_dump_failure_leaves_job_running_and_shows_criu_log(torpor: Torpor, tmp_
             assert torpor.json("checkpoints") == []
         finally:
             torpor.run("rm", "--force", "ext", check=False)
+
+
+@pytest.mark.criu
+def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_and_one_stuck_there_is_named(
+    torpor: Torpor, tmp_path: Path
+) -> None:
+    """CRIU's parasite creates ``proc.crtools`` in the job's working directory for a moment (to mount a
+    /proc of the job's PID namespace there): a dump of another job of that folder at the same moment
+    fails, and is made again; a folder that stays there fails every attempt, in words that say so."""
+    work = tmp_path / "work"
+    work.mkdir()
+    subprocess.run(
+        [TORPOR, "run", "--name", "w", *python_job("counter.py")],
+        cwd=work,
+        env=torpor.env,
+        check=True,
+        capture_output=True,
+    )
+    torpor.wait_log("w", "step 2")
+    pid = torpor.job("w")["pid"]
+    planted = work / "proc.crtools"
+    criu_ = torpor.engine().ctx.criu
+    tried: list[bool] = []
+
+    class Spy(type(criu_)):  # type: ignore[misc]
+        def dump(self, *args: Any, **options: Any) -> Any:
+            first = not tried
+            tried.append(first)
+            if first:  # another dump's folder, there during the first attempt only
+                planted.mkdir()
+            try:
+                return super().dump(*args, **options)
+            finally:
+                if first:
+                    planted.rmdir()
+
+    spy = Spy.__new__(Spy)
+    spy.__dict__.update(criu_.__dict__)
+    images = tmp_path / "images"
+    images.mkdir()
+    stats = checkpoint.dump(spy, pid, images, tmp_path / "dump.log", leave_running=True)
+    assert tried == [True, False] and stats is not None
+    assert list(images.glob("pages-*.img"))
+
+    planted.mkdir()  # one that stays
+    result = torpor.run("checkpoint", "w", check=False)
+    assert_one_line_error(
+        result,
+        4,
+        f"CRIU could not create its folder proc.crtools in the working directory of the job's first process ({work})",
+    )
+    assert_running_not_frozen(torpor, "w")
+    planted.rmdir()
+    torpor.run("checkpoint", "w")
+    torpor.run("rm", "--force", "w")
 
 
 @pytest.mark.criu

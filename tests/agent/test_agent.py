@@ -104,7 +104,7 @@ def test_periodic_checkpoints_are_stretched_to_the_budget_and_only_the_newest_ke
         "--checkpoint-every",
         "1s",
         "--budget",
-        "10%",
+        "1%",
         "--keep",
         "2",
         *python_job("counter.py"),
@@ -114,11 +114,12 @@ def test_periodic_checkpoints_are_stretched_to_the_budget_and_only_the_newest_ke
     )
     checkpoints = [e for e in agent.events("c") if e["action"] == "checkpoint"]
     assert all("error" not in e["detail"] for e in checkpoints), checkpoints
-    # every freeze of ~0.3-1 s on a 10 % budget stretches 1s to several: the reason says so, and the
-    # checkpoints are at least that far apart (the interval is the mean of the freezes before / budget)
+    # every freeze of this small job (~0.02-0.05 s: it has no TCP socket, so no network lock) on a 1 %
+    # budget stretches 1s to a few: the reason says so, and the checkpoints are at least that far apart
+    # (the interval is the mean of the freezes before / budget)
     assert any("stretched to" in e["reason"] for e in checkpoints[1:]), [e["reason"] for e in checkpoints]
     for before, after in itertools.pairwise(checkpoints):
-        assert after["at"] - before["at"] >= 0.9 * before["detail"]["freeze_s"] / 0.10
+        assert after["at"] - before["at"] >= 0.9 * before["detail"]["freeze_s"] / 0.01
     assert len(torpor.json("checkpoints", "c")) == 2  # --keep 2
     durable = agent.wait_event("durable", "c", timeout=60)  # how long each took to reach the cold tier
     assert (

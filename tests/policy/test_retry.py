@@ -33,3 +33,22 @@ def test_a_failed_resume_is_tried_again_later_and_later_up_to_five_minutes() -> 
     waits = [after_failed_resume(n) for n in range(1, 10)]
     assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
     assert waits == sorted(waits) and max(waits) == 300.0
+
+
+def test_a_dump_without_the_tcp_options_that_met_a_connection_is_made_again_at_once_with_them() -> None:
+    tcp_error = "(00.2) Error (criu/sk-inet.c:197): inet: Connected TCP socket, consider using --tcp-established option."
+    assert after_failed_dump(1, [tcp_error], tcp=False) == Retry(again=True, tcp=True)
+    assert after_failed_dump(1, [tcp_error], tcp=True) == GIVE_UP  # with them already: it is something else
+    assert after_failed_dump(DUMP_ATTEMPTS, [tcp_error], tcp=False) == GIVE_UP
+    assert after_failed_dump(1, [ZOMBIE], tcp=False) == Retry(
+        again=True, delay_s=pytest.approx(0.1), tcp=False
+    )
+
+
+def test_a_dump_that_met_another_in_the_same_folder_is_made_again_after_a_jittered_delay() -> None:
+    busy = "pie: 1: Error (criu/pie/parasite.c:634): Can't create a directory (-17)"
+    assert after_failed_dump(1, [busy], tcp=False, jitter=0.0) == Retry(
+        again=True, delay_s=pytest.approx(0.1), tcp=False
+    )
+    assert after_failed_dump(2, [busy], jitter=0.5) == Retry(again=True, delay_s=pytest.approx(0.3))
+    assert after_failed_dump(DUMP_ATTEMPTS, [busy]) == GIVE_UP

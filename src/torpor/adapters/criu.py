@@ -36,6 +36,11 @@ MIN_VERSION = (4, 2)
 COMMON_OPTIONS: tuple[str, ...] = ("--tcp-established", "--file-locks")
 #: dump only (restore takes the method from the image): iptables is missing here, nftables works
 DUMP_OPTIONS: tuple[str, ...] = ("--network-lock", "nftables")
+#: a dump of a tree without any TCP socket: neither the connections' option nor the network lock, which
+#: alone costs ~0.4 s of the freeze here (nftables set up and torn down while the tree is frozen).
+#: Should a connection appear between torpor's look and CRIU's freeze, CRIU refuses it without
+#: ``--tcp-established`` (:data:`torpor.policy.retry.TCP_DUMP_ERRORS`) and the dump is tried again with them
+NO_TCP_DUMP_OPTIONS: tuple[str, ...] = ("--file-locks",)
 #: deleted files still open or mapped (e.g. DataLoader shared memory in /dev/shm) are kept up to this size
 GHOST_LIMIT = "1G"
 
@@ -58,6 +63,8 @@ RLIMIT_SHIM = Path("lib/torpor-criu-rlimits.so")
 _RLIMIT_REFUSED = re.compile(r"Can't get rlimit \d+: Operation not permitted")
 _NO_PROC = "Can't get proc fd"  # the tree's first process could not mount a /proc of its PID namespace
 _TASK = re.compile(r"\(pid: (\d+)\)")
+#: the parasite found the folder it mounts a /proc on there already (torpor.policy.retry.BUSY_CWD_ERRORS)
+_BUSY_CWD = "Can't create a directory (-17)"
 
 
 def _dump_refusal(details: list[str]) -> str | None:
@@ -75,6 +82,16 @@ def _dump_refusal(details: list[str]) -> str | None:
             f"the job's first process ({who}) does not run as root, and CRIU cannot dump such a job in its"
             " own PID namespace; start the command through a parent that stays root, e.g."
             " 'torpor run -- runuser -u USER -- COMMAND' (setpriv, su-exec and gosu replace themselves by it)"
+        )
+    if pid and any(_BUSY_CWD in line for line in details):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            cwd = "?"
+        return (
+            f"CRIU could not create its folder proc.crtools in the working directory of the job's first"
+            f" process ({cwd}): one is there, and stayed through every attempt; remove it (it is left by"
+            " a CRIU killed while dumping a job of that folder, or was put there)"
         )
     return None
 
@@ -404,8 +421,12 @@ class Criu:
         leave_running: bool,
         extra: tuple[str, ...] = (),
         external_unix: Sequence[int] = (),
+        tcp: bool = True,
     ) -> list[str]:
         """The ``criu dump`` command line torpor runs (benchmarks run the same one as their anchor).
+
+        ``tcp``: the tree may hold TCP connections: dump them (``--tcp-established``) behind the network
+        lock; False for a tree with no TCP socket (:data:`NO_TCP_DUMP_OPTIONS`).
 
         ``external_unix``: inodes of the job's unix sockets whose peer may be outside the job; CRIU saves
         them without their peer (``--external unix[ino]``; naming a socket whose peer is inside changes
@@ -421,8 +442,7 @@ class Criu:
             "--log-file",
             str(log_path),
             "-v4",
-            *COMMON_OPTIONS,
-            *DUMP_OPTIONS,
+            *((*COMMON_OPTIONS, *DUMP_OPTIONS) if tcp else NO_TCP_DUMP_OPTIONS),
             "--ghost-limit",
             GHOST_LIMIT,
             *extra,
@@ -439,15 +459,23 @@ class Criu:
         leave_running: bool,
         extra: tuple[str, ...] = (),
         external_unix: Sequence[int] = (),
+        tcp: bool = True,
     ) -> DumpStats:
-        """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt.
+        """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt (``tcp``: see
+        :meth:`dump_command`).
 
         CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1). Whether a
         failed dump is tried again is the caller's to decide (:func:`torpor.core.checkpoint.dump`).
         """
         self.require()
         args = self.dump_command(
-            pid, images_dir, log_path, leave_running=leave_running, extra=extra, external_unix=external_unix
+            pid,
+            images_dir,
+            log_path,
+            leave_running=leave_running,
+            extra=extra,
+            external_unix=external_unix,
+            tcp=tcp,
         )[1:]
         out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
         if out.returncode != 0:

@@ -438,6 +438,15 @@ def listening_sockets(pids: list[int]) -> list[TcpAddress]:
 _Table = TypeVar("_Table", bound=Container[int])
 
 
+def has_tcp_sockets(pids: list[int]) -> bool:
+    """Whether any of ``pids`` holds a TCP socket (v4 or v6) that is bound, listening or connected: one
+    the kernel lists in ``/proc/PID/net/tcp{,6}`` (a socket just created, never bound, is not there).
+
+    A process gone meanwhile is left out.
+    """
+    return any(inode in table for inodes, table in _with_tcp_table(pids, _tcp_inodes) for inode in inodes)
+
+
 def _with_tcp_table(pids: list[int], read: Callable[[int], _Table]) -> Iterator[tuple[list[int], _Table]]:
     """Each of ``pids``' socket inodes with its network namespace's TCP table as ``read(pid)`` gives it
     (read once per namespace); processes without sockets, or gone, are left out."""
@@ -450,6 +459,20 @@ def _with_tcp_table(pids: list[int], read: Callable[[int], _Table]) -> Iterator[
         if namespace not in tables:
             tables[namespace] = read(pid)
         yield inodes, tables[namespace]
+
+
+def _tcp_inodes(pid: int) -> set[int]:
+    """The inodes of every TCP socket (any state) of ``pid``'s network namespace."""
+    found: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as lines:
+                next(lines, None)  # the header
+                found.update(int(row[9]) for row in (line.split() for line in lines) if len(row) >= 10)
+        except (OSError, ValueError):
+            continue
+    found.discard(0)  # sockets in TIME_WAIT and the like, which no process holds
+    return found
 
 
 def is_listening(address: TcpAddress) -> bool:

@@ -19,6 +19,7 @@ checkpoints retention deletes and whether a dump is tried again are decisions of
 
 from __future__ import annotations
 
+import random
 import shutil
 import time
 import uuid
@@ -96,6 +97,9 @@ def checkpoint_in_launcher(
                 leave_running=not hibernate,
                 extra=ctx.settings.criu_extra,
                 external_unix=system.unix_socket_inodes(pids) if ext_unix_sk else (),
+                # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
+                # fails the dump, which is tried again with it (policy.retry)
+                tcp=system.has_tcp_sockets(pids),
             )
         finally:
             if not hibernate:
@@ -185,18 +189,21 @@ def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any)
     """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
 
     A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
-    of an epoch) is tried again, a few times, from an empty folder.
+    of an epoch), or another dump in the job's working directory, is tried again, a few times, from an
+    empty folder.
     """
     attempt = 1
+    tcp = bool(options.pop("tcp", True))
     while True:
         try:
-            return criu.dump(pid, images_dir, log_path, **options)
+            return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
         except (CheckpointFailed, StorageFull):
-            decision = retry.after_failed_dump(attempt, log_excerpt(log_path))
+            decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())
             if not decision.again:
                 raise
         _empty_folder(images_dir)
         time.sleep(decision.delay_s)
+        tcp = decision.tcp
         attempt += 1
 
 

@@ -2,7 +2,8 @@
 
 A dump that met a process of the tree in the middle of exiting (a DataLoader worker at the end of an
 epoch) fails with one of :data:`PASSING_DUMP_ERRORS`; a moment later the process is gone and the dump
-works. Any other failure is final. Running CRIU, emptying the folder and sleeping are the core's
+works. So does one that met another dump of a job in the same working directory (:data:`BUSY_CWD_ERRORS`).
+Any other failure is final. Running CRIU, emptying the folder and sleeping are the core's
 (:func:`torpor.core.checkpoint.dump`).
 """
 
@@ -13,35 +14,64 @@ from dataclasses import dataclass
 
 #: CRIU log lines that say a process of the tree was exiting: the failure passes, try again
 PASSING_DUMP_ERRORS: tuple[str, ...] = ("Zombies with threads are not supported",)
+#: CRIU's parasite, in a job that is PID 1 of its own PID namespace (every torpor job), mounts a /proc of
+#: that namespace for a moment on a folder it creates in the job's working directory, ``proc.crtools``.
+#: A dump of another job of the same working directory, at that same moment, finds the folder there
+#: (EEXIST) and fails: the other one is gone a millisecond later. (A folder that stays, left by a CRIU
+#: killed meanwhile or put there, fails every attempt: :func:`torpor.adapters.criu.dump_failure` says so.)
+BUSY_CWD_ERRORS: tuple[str, ...] = ("Can't create a directory (-17)",)
 #: attempts in all, the first one included
 DUMP_ATTEMPTS = 3
 #: the delay before attempt n+1 is n times this
 BACKOFF_S = 0.1
 
 
+#: CRIU log lines that say a dump made without ``--tcp-established`` met a TCP connection: one appeared
+#: after torpor looked (a tree with no TCP socket is dumped without it, and without the network lock)
+TCP_DUMP_ERRORS: tuple[str, ...] = ("consider using --tcp-established",)
+
+
 @dataclass(frozen=True)
 class Retry:
-    """The decision after a failed dump: try ``again`` after ``delay_s`` seconds, or give up."""
+    """The decision after a failed dump: try ``again`` after ``delay_s`` seconds (``tcp``: with the TCP
+    connections' options and the network lock), or give up."""
 
     again: bool
     delay_s: float = 0.0
+    tcp: bool = True
 
 
 GIVE_UP = Retry(again=False)
 
 
-def after_failed_dump(attempt: int, error_lines: Sequence[str]) -> Retry:
-    """After failed attempt number ``attempt`` (1-based) whose CRIU log said ``error_lines``.
+def after_failed_dump(
+    attempt: int, error_lines: Sequence[str], tcp: bool = True, jitter: float = 0.0
+) -> Retry:
+    """After failed attempt number ``attempt`` (1-based) whose CRIU log said ``error_lines``; ``tcp``:
+    whether it was made with the TCP connections' options; ``jitter``: a random number in [0, 1) from
+    the caller.
 
     1. No attempts are left (``attempt`` >= :data:`DUMP_ATTEMPTS`): give up.
-    2. No line names a passing error: give up (trying again would fail the same way).
-    3. Otherwise try again after ``attempt`` × :data:`BACKOFF_S` (0.1 s, then 0.2 s).
+    2. Made without them, and a line says a TCP connection needs them: try again at once, with them.
+    3. A line says another dump in the same working directory was in the way: try again after
+       ``attempt`` × :data:`BACKOFF_S` × (1 + ``jitter``), as it was; the jitter keeps two dumps that
+       met once from meeting again.
+    4. No line names a passing error: give up (trying again would fail the same way).
+    5. Otherwise try again after ``attempt`` × :data:`BACKOFF_S` (0.1 s, then 0.2 s), as it was.
     """
     if attempt >= DUMP_ATTEMPTS:
         return GIVE_UP
-    if not any(marker in line for line in error_lines for marker in PASSING_DUMP_ERRORS):
+    if not tcp and _says(error_lines, TCP_DUMP_ERRORS):
+        return Retry(again=True, tcp=True)
+    if _says(error_lines, BUSY_CWD_ERRORS):
+        return Retry(again=True, delay_s=BACKOFF_S * attempt * (1.0 + jitter), tcp=tcp)
+    if not _says(error_lines, PASSING_DUMP_ERRORS):
         return GIVE_UP
-    return Retry(again=True, delay_s=BACKOFF_S * attempt)
+    return Retry(again=True, delay_s=BACKOFF_S * attempt, tcp=tcp)
+
+
+def _says(lines: Sequence[str], markers: Sequence[str]) -> bool:
+    return any(marker in line for line in lines for marker in markers)
 
 
 #: the scheduler's wait before it tries again to resume a job whose restore failed: doubled after each
