@@ -40,6 +40,7 @@ test: lint typecheck contracts suite
 
 bench: setup
 	$(BIN)/python scripts/bench.py
+	$(BIN)/python scripts/bench_freeze.py
 	$(BIN)/python scripts/bench_store.py
 	$(BIN)/python scripts/bench_slurm.py
 	$(BIN)/python scripts/bench_agent.py

@@ -1,7 +1,9 @@
 """Benchmark workload: hold N bytes of random (incompressible, touched) memory and idle.
 
 Run by ``scripts/bench.py`` both as a torpor job and as a plain process in its own PID namespace, so
-torpor and raw CRIU dump the same kind of process. Prints ``ready`` once the memory is filled.
+torpor and raw CRIU dump the same kind of process. Prints ``ready`` once the memory is filled; then it
+ticks every 5 ms and prints ``gap S s`` for every tick that came more than 20 ms late: how long a
+checkpoint froze it, as the job itself feels it (``scripts/bench_freeze.py`` reads these).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 import numpy as np
 
 CHUNK = 64 << 20
+TICK_S = 0.005
+GAP_S = 0.020
 
 
 def main() -> int:
@@ -23,12 +27,16 @@ def main() -> int:
         end = min(start + step, len(memory))
         memory[start:end] = rng.integers(0, 2**63, size=end - start, dtype=np.uint64)
     print(f"ready: {memory.nbytes} bytes of random memory", flush=True)
-    beat = 0
+    last = beat = time.monotonic()
     while True:
-        time.sleep(1)
-        beat += 1
-        if beat % 60 == 0:
-            print(f"alive {beat} s; checksum word {int(memory[beat % len(memory)])}", flush=True)
+        time.sleep(TICK_S)
+        now = time.monotonic()
+        if now - last > GAP_S:
+            print(f"gap {now - last - TICK_S:.3f} s", flush=True)
+        last = now
+        if now - beat >= 60:
+            beat = now
+            print(f"alive; checksum word {int(memory[int(now) % len(memory)])}", flush=True)
 
 
 if __name__ == "__main__":

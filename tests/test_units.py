@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import TORPOR, holders
-from torpor.adapters import criu, criuimage
+from torpor.adapters import criu, criuimage, system
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
@@ -298,3 +300,57 @@ def test_holders_are_the_processes_that_have_the_file_open(tmp_path: Path) -> No
     with path.open("a"):
         assert os.getpid() in holders(path)
     assert os.getpid() not in holders(path)
+
+
+def _cpu_latency_us() -> int:
+    with open(system.CPU_LATENCY_DEVICE, "rb") as device:
+        return int.from_bytes(device.read(4), sys.byteorder, signed=True)
+
+
+@pytest.mark.root("the PM QoS device is root's")
+@pytest.mark.skipif(not system.CPU_LATENCY_DEVICE.exists(), reason="no /dev/cpu_dma_latency")
+def test_the_cpus_are_kept_quick_to_wake_while_criu_dumps_and_let_be_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _cpu_latency_us()
+    assert before > 0  # nobody else holds a request of 0 µs now, or this test cannot tell
+    fake = tmp_path / "criu"
+    # a stand-in for criu that notes the CPU latency the kernel allows while it runs
+    fake.write_text(
+        FAKE_CRIU.replace(
+            'echo x >> "$dir/../attempts"',
+            f'echo x >> "$dir/../attempts"\nod -An -t d4 {system.CPU_LATENCY_DEVICE} > "$dir/../seen"',
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("ERROR", "")
+    monkeypatch.setenv("FAILS", "0")
+    for hold, seen in ((True, 0), (False, before)):
+        images = tmp_path / "images"
+        images.mkdir()
+        checkpointing.dump(
+            criu.Criu(fake),
+            os.getpid(),
+            images,
+            tmp_path / "dump.log",
+            leave_running=True,
+            hold_cpu_wakeups=hold,
+        )
+        assert int((tmp_path / "seen").read_text()) == seen, hold
+        assert _cpu_latency_us() == before  # the request ended with the dump
+        shutil.rmtree(images)
+
+
+def test_holding_the_cpus_quick_to_wake_takes_only_the_kernels_device(tmp_path: Path) -> None:
+    with system.cpu_wakeups_held(tmp_path / "missing") as made:
+        assert not made
+    planted = tmp_path / "planted"
+    planted.write_bytes(b"keep")
+    with system.cpu_wakeups_held(planted) as made:
+        assert not made
+    assert planted.read_bytes() == b"keep"  # a regular file put in its place is not written
+    link = tmp_path / "link"
+    link.symlink_to(planted)
+    with system.cpu_wakeups_held(link) as made:
+        assert not made
+    assert planted.read_bytes() == b"keep"

@@ -61,6 +61,9 @@ class Settings:
     #: restore from the cold tier by streaming the memory pages into ``criu restore --stream`` (no copy
     #: into RAM first); off: the whole image is written into a restore folder, then CRIU reads it
     stream_restore: bool = True
+    #: keep the CPUs out of slow idle states while CRIU dumps or restores (a PM QoS request of 0 µs on
+    #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.cpu_wakeups_held`); off: leave them be
+    hold_cpu_wakeups: bool = True
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
     job_umask: int | None = None
@@ -154,6 +157,7 @@ class Settings:
             store_env={name: env[name] for name in STORE_VARIABLES.values() if env.get(name)},
             store_workers=_env_int("TORPOR_STORE_WORKERS", 4, least=1),
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
+            hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
         )
 
 

@@ -53,6 +53,38 @@ def unshare_job_namespaces() -> None:
     _check(_libc.unshare(CLONE_NEWPID | CLONE_NEWIPC), "unshare(CLONE_NEWPID | CLONE_NEWIPC)")
 
 
+#: the kernel's PM QoS request for CPU wake-up latency: while a process holds it open with a value written
+#: (an int32, microseconds), no CPU enters an idle state slower than that to wake up from
+CPU_LATENCY_DEVICE = Path("/dev/cpu_dma_latency")
+
+
+@contextlib.contextmanager
+def cpu_wakeups_held(device: Path = CPU_LATENCY_DEVICE) -> Iterator[bool]:
+    """Inside, keep every CPU out of idle states that are slow to leave (a PM QoS request of 0 µs: an
+    idle CPU polls instead of halting); yields whether the request was made.
+
+    CRIU's dump and restore wake the other CPUs many times (page and TLB work); on a virtual machine
+    whose idle CPUs halt, each wake-up goes through the host. Held for a 1 GiB dump here, CRIU froze the
+    job 0.26-0.30 s instead of 0.42-0.50 s. Nothing changes where the device is missing, refused, or not
+    the kernel's character device; the request ends when the file is closed (or this process dies).
+    """
+    try:
+        fd = os.open(device, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield False
+        return
+    try:
+        made = stat.S_ISCHR(os.fstat(fd).st_mode)
+        if made:
+            try:
+                os.write(fd, (0).to_bytes(4, sys.byteorder, signed=True))
+            except OSError:
+                made = False
+        yield made
+    finally:
+        os.close(fd)
+
+
 def mount_tmpfs(path: Path, options: str) -> None:
     """Mount a new tmpfs on ``path`` (e.g. ``huge=within_size,size=…``); raises OSError."""
     result = _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode())

@@ -19,6 +19,7 @@ checkpoints retention deletes and whether a dump is tried again are decisions of
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import time
@@ -100,6 +101,7 @@ def checkpoint_in_launcher(
                 # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
                 # fails the dump, which is tried again with it (policy.retry)
                 tcp=system.has_tcp_sockets(pids),
+                hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
             )
         finally:
             if not hibernate:
@@ -190,13 +192,16 @@ def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any)
 
     A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
     of an epoch), or another dump in the job's working directory, is tried again, a few times, from an
-    empty folder.
+    empty folder. ``hold_cpu_wakeups``: keep the CPUs quick to wake while CRIU runs
+    (:func:`torpor.adapters.system.cpu_wakeups_held`: a shorter freeze).
     """
     attempt = 1
     tcp = bool(options.pop("tcp", True))
+    hold = bool(options.pop("hold_cpu_wakeups", False))
     while True:
         try:
-            return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
+            with system.cpu_wakeups_held() if hold else contextlib.nullcontext():
+                return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
         except (CheckpointFailed, StorageFull):
             decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())
             if not decision.again:

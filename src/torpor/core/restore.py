@@ -79,15 +79,17 @@ def restore_into_launcher(
                     criu_end.close()
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
-        pid = ctx.criu.restore(
-            image_dir,
-            ctx.criu_log(job.name, "restore", checkpoint_id),
-            image_dir / "restored.pid",
-            extra=ctx.settings.criu_extra,
-            lazy=lazy,
-            gate=gate,
-            stream=stream,
-        )
+        # the CPUs kept quick to wake while CRIU restores (system.cpu_wakeups_held)
+        with system.cpu_wakeups_held() if ctx.settings.hold_cpu_wakeups else contextlib.nullcontext():
+            pid = ctx.criu.restore(
+                image_dir,
+                ctx.criu_log(job.name, "restore", checkpoint_id),
+                image_dir / "restored.pid",
+                extra=ctx.settings.criu_extra,
+                lazy=lazy,
+                gate=gate,
+                stream=stream,
+            )
         root.append(pid)
         restored.set()
         ctx.gpu.after_restore(system.namespace_members(pid))
