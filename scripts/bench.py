@@ -46,7 +46,7 @@ from pathlib import Path
 from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, say, wait_for, write_section
 
 from torpor.adapters import system
-from torpor.adapters.criu import COMMON_OPTIONS, DUMP_OPTIONS, GHOST_LIMIT, Criu
+from torpor.adapters.criu import GHOST_LIMIT, NO_TCP_DUMP_OPTIONS, Criu
 from torpor.adapters.criuimage import read_dump_stats
 from torpor.core.engine import Engine
 from torpor.core.store import remove_hot_tier
@@ -119,16 +119,19 @@ class RawProcess:
         wait_for(lambda: text in self.log.read_text(errors="replace"), f"{text!r} from the raw workload")
 
     def _options(self) -> list[str]:
-        return ["-v4", *COMMON_OPTIONS]
+        return ["-v4", *NO_TCP_DUMP_OPTIONS]
 
-    def dump(self, leave_running: bool, into: Path | None = None) -> tuple[float, float, int]:
+    def dump(
+        self, leave_running: bool, into: Path | None = None, tcp: bool = False
+    ) -> tuple[float, float, int]:
         """(frozen s, wall s, image bytes) of one ``criu dump`` into a new folder under ``into`` (default:
-        the work folder, on disk); a ``--leave-running`` image is deleted afterwards."""
+        the work folder, on disk), with the options torpor uses for a tree without a TCP socket (``tcp``:
+        for one with, the network lock included); a ``--leave-running`` image is deleted afterwards."""
         self.count += 1
         images = (into or self.work) / f"dump-{self.count}"
         images.mkdir()
         command = Criu(self.criu).dump_command(
-            self.pid, images, self.work / f"dump-{self.count}.log", leave_running=leave_running
+            self.pid, images, self.work / f"dump-{self.count}.log", leave_running=leave_running, tcp=tcp
         )
         began = time.monotonic()
         subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
@@ -410,7 +413,9 @@ def raw_dump_of(criu: Path, work: Path, pid: int, tag: str) -> tuple[float, floa
     """A raw ``criu dump --leave-running`` of a process torpor supervises (the same process, same state)."""
     images = work / f"train-raw-{tag}"
     images.mkdir()
-    command = Criu(criu).dump_command(pid, images, work / f"train-raw-{tag}.log", leave_running=True)
+    command = Criu(criu).dump_command(
+        pid, images, work / f"train-raw-{tag}.log", leave_running=True, tcp=False
+    )
     began = time.monotonic()
     subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
     wall = time.monotonic() - began
@@ -474,7 +479,7 @@ def render(
     described: list[tuple[str, str]],
 ) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    options = " ".join([*COMMON_OPTIONS, *DUMP_OPTIONS, "--ghost-limit", GHOST_LIMIT, "-v4"])
+    options = " ".join([*NO_TCP_DUMP_OPTIONS, "--ghost-limit", GHOST_LIMIT, "-v4"])
     lines = [
         "## Core: torpor vs raw CRIU and vs torch.save",
         "",
@@ -482,7 +487,8 @@ def render(
         f"below, CRIU {criu_version}. Every number is the median of {repeat} runs (all samples "
         "at the end); torpor and its anchors ran interleaved in the same run, rotating which went first, "
         "after one warm-up dump each (except hibernate + restore, see below). Raw CRIU used the options torpor's adapter uses "
-        f"(`{options}`) on a comparable process in its own PID namespace "
+        f"for a tree without a TCP socket (`{options}`), without holding the CPUs quick to wake as torpor does "
+        "(`docs/architecture.md`), on a comparable process in its own PID namespace "
         "(`unshare --pid --fork setsid python …`).",
         "",
         machine_table(described),

@@ -193,7 +193,7 @@ def bench_size(engine: Engine, criu: Path, work: Path, hot: Path, size: int, rep
 
         def former_side() -> None:
             raw_felt.skip()
-            frozen, _, _ = raw.dump(leave_running=True, into=hot)  # torpor's options, network lock included
+            frozen, _, _ = raw.dump(leave_running=True, into=hot, tcp=True)  # the lock included
             result.former.frozen.add(frozen)
             result.former.felt.add(raw_felt.largest())
             last_logs["former"] = raw.work / f"dump-{raw.count}.log"
@@ -279,6 +279,21 @@ def render(
         f"way): {verdict}** (worst {worst:.2f}×).",
         "",
     ]
+    for r in results:
+        if "torpor" not in r.profiles:
+            continue
+        spent = r.profiles["torpor"]
+        frozen = sum(v for step, v in spent.items() if "not frozen" not in step)
+        pages = spent["memory pages"]
+        lines.append(
+            f"What stands in the way at {r.size / GIB:g} GiB: CRIU's memory pages step is {pages:.2f} s of the "
+            f"{frozen:.2f} s torpor's profiled dump was frozen ({pages / frozen:.0%}): CRIU writing each page "
+            f"into tmpfs memory allocated as it goes ({r.size / GIB / pages:.1f} GiB/s here). Everything else "
+            "torpor could take out (the network lock, the CPUs' wake-ups) is out. Halving the pages step needs "
+            "the pages written into memory that is already allocated (CRIU's page-server protocol into a pool "
+            "torpor keeps warm), which is not built."
+        )
+        lines.append("")
     for r in results:
         kinds = [k for k in KINDS if k in r.profiles]
         if not kinds:

@@ -429,7 +429,7 @@ def main() -> int:
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench_store.py --repeat "
         f"{args.repeat}` in {time.monotonic() - started:.0f} s on {os.cpu_count()} cores; cold tier: a folder on "
-        f"{work.parent} (disk), hot tier: torpor's own tmpfs in /dev/shm (huge=within_size); timings are medians; freeze and durable samples alternate which side goes first, restores take raw CRIU first.",
+        f"{work.parent} (disk), hot tier: torpor's own tmpfs in /dev/shm (4 KiB pages); timings are medians; freeze and durable samples alternate which side goes first, restores take raw CRIU first.",
         "",
         "| measurement | torpor | raw CRIU | ratio | bar |",
         "|---|---|---|---|---|",

@@ -86,7 +86,7 @@ def cpu_wakeups_held(device: Path = CPU_LATENCY_DEVICE) -> Iterator[bool]:
 
 
 def mount_tmpfs(path: Path, options: str) -> None:
-    """Mount a new tmpfs on ``path`` (e.g. ``huge=within_size,size=…``); raises OSError."""
+    """Mount a new tmpfs on ``path`` (e.g. ``huge=never,size=…``); raises OSError."""
     result = _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode())
     _check(result, f"mount tmpfs on {path}")
 
