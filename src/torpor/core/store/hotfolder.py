@@ -32,9 +32,10 @@ from torpor.adapters import system
 from torpor.errors import StoreError, UnsafePath
 
 #: 4 KiB pages (``huge=never``, tmpfs's default). ``huge=within_size`` lets this kernel put CRIU's writes
-#: in large folios (8 KiB to 1 MiB): a 1 GiB dump went in 0.48 s instead of 0.72 s on a machine fresh from
-#: boot, but once memory was fragmented the same dumps took 0.6-3.7 s (1 GiB) and 11-19 s (4 GiB, against
-#: 3.8-4.9 s with 4 KiB pages): a job's freeze must not depend on how long the machine has been up.
+#: in large folios (8 KiB to 1 MiB). Back to back on one process, CPUs held: 1 GiB dumps took 0.28-0.74 s
+#: with them (median 0.41) against 0.55-0.82 s (0.58), 4 GiB ones 1.7-3.8 s (3.05) against 1.9-2.7 s
+#: (2.14); with 5 GiB more in use by other processes, 0.59-3.66 s against 0.58-0.70 s, and 11.5-18.7 s
+#: against 3.8-4.9 s at 4 GiB. A job's freeze must not depend on what else the machine holds.
 #: ``huge=always`` was slower still and as erratic (it compacts memory for every 2 MiB page).
 OWN_MOUNT_OPTIONS = "huge=never,mode=0700"
 
