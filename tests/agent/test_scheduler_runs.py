@@ -123,26 +123,23 @@ def test_under_the_agent_none_is_killed_and_every_job_finishes_with_correct_outp
     assert all("exited" in error for *_, error in failed), (failed, agent.log()[-4000:])
 
 
+def preempt_low(torpor: Torpor, agent: AgentProcess, high: str, low_steps: int = 5) -> int:
+    """On a node with a 1G budget, a counter ``low`` (700M) runs ``low_steps`` steps, then ``high`` (700M,
+    priority 5, running the Python code ``high``) is submitted; returns the event id before that submit."""
+    agent.start("--memory-budget", "1G")
+    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
+    torpor.wait_log("low", f"step {low_steps}")
+    after = agent.last_event_id()
+    torpor.run(
+        "submit", "--name", "high", "--memory", "700M", "--priority", "5", "--", sys.executable, "-c", high
+    )
+    return after
+
+
 def test_a_higher_priority_job_starts_once_its_victim_is_hibernated_and_the_victim_resumes_where_it_was(
     torpor: Torpor, agent: AgentProcess
 ) -> None:
-    agent.start("--memory-budget", "1G")
-    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
-    torpor.wait_log("low", "step 20")
-    after = agent.last_event_id()
-    torpor.run(
-        "submit",
-        "--name",
-        "high",
-        "--memory",
-        "700M",
-        "--priority",
-        "5",
-        "--",
-        sys.executable,
-        "-c",
-        "import time; print('high runs', flush=True); time.sleep(3)",
-    )
+    after = preempt_low(torpor, agent, "import time; print('high runs', flush=True); time.sleep(3)", 20)
     submitted = agent.wait_event("submit", "high", after=after)
     started = agent.wait_event("start", "high", timeout=60, after=after)
     victim = agent.wait_event("hibernate", "low", after=after)
@@ -201,14 +198,7 @@ def test_a_project_below_its_share_reclaims_what_another_borrowed(
 def test_an_agent_killed_while_a_job_is_preempted_brings_it_back_after_its_restart(
     torpor: Torpor, agent: AgentProcess
 ) -> None:
-    agent.start("--memory-budget", "1G")
-    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
-    torpor.wait_log("low", "step 5")
-    after = agent.last_event_id()
-    torpor.run(
-        "submit", "--name", "high", "--memory", "700M", "--priority", "5", "--",
-        sys.executable, "-c", "import time; print('high runs', flush=True); time.sleep(6)",
-    )  # fmt: skip
+    after = preempt_low(torpor, agent, "import time; print('high runs', flush=True); time.sleep(6)")
     torpor.run(
         "submit", "--name", "later", "--memory", "700M", "--", sys.executable, "-c", "print('later ran')"
     )
@@ -229,14 +219,7 @@ def test_a_victim_dumped_stopped_goes_on_when_a_person_resumes_it_without_the_ag
 ) -> None:
     """The scheduler stops a job with a memory limit before its dump (a job reaching its limit while CRIU
     works would stall it); whoever restores that checkpoint continues it: here torpor resume, embedded."""
-    agent.start("--memory-budget", "1G")
-    torpor.run("submit", "--name", "low", "--memory", "700M", "--", *python_job("counter.py")[1:])
-    torpor.wait_log("low", "step 5")
-    after = agent.last_event_id()
-    torpor.run(
-        "submit", "--name", "high", "--memory", "700M", "--priority", "5", "--",
-        sys.executable, "-c", "import time; time.sleep(60)",
-    )  # fmt: skip
+    after = preempt_low(torpor, agent, "import time; time.sleep(60)")
     agent.wait_event("hibernate", "low", after=after)
     agent.stop()  # SIGINT: the agent goes, high runs on, low stays hibernated
     last = steps_of(torpor.log("low"))[-1]

@@ -384,7 +384,7 @@ class Records:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
             db.execute("DELETE FROM policies WHERE job=?", (name,))
             db.execute("DELETE FROM submissions WHERE name=?", (name,))
-            db.execute("DELETE FROM meta WHERE key=?", ("stopped-dump." + name,))
+            _set_meta(db, _STOPPED_DUMP + name, None)
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -577,35 +577,43 @@ class Records:
         ``checkpoint_id`` (the scheduler does, for a job at its memory limit): a restore from that
         checkpoint continues them. None: no such mark."""
         with self.transaction() as db:
-            if checkpoint_id is None:
-                db.execute("DELETE FROM meta WHERE key=?", ("stopped-dump." + name,))
-            else:
-                db.execute(
-                    "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    ("stopped-dump." + name, checkpoint_id),
-                )
+            _set_meta(db, _STOPPED_DUMP + name, checkpoint_id)
 
     def stopped_dump(self, name: str) -> CheckpointId | None:
         """The checkpoint of ``name`` that was dumped with its processes stopped by torpor, if any."""
         with self.transaction() as db:
-            row = db.execute("SELECT value FROM meta WHERE key=?", ("stopped-dump." + name,)).fetchone()
-        return CheckpointId(row[0]) if row else None
+            value = _meta(db, _STOPPED_DUMP + name)
+        return None if value is None else CheckpointId(value)
 
     def node_flag(self, key: str) -> str | None:
         """A value the node keeps across restarts (``draining``: why it refuses new jobs)."""
         with self.transaction() as db:
-            row = db.execute("SELECT value FROM meta WHERE key=?", ("node." + key,)).fetchone()
-        return str(row[0]) if row else None
+            return _meta(db, _NODE + key)
 
     def set_node_flag(self, key: str, value: str | None) -> None:
         with self.transaction() as db:
-            if value is None:
-                db.execute("DELETE FROM meta WHERE key=?", ("node." + key,))
-            else:
-                db.execute(
-                    "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    ("node." + key, value),
-                )
+            _set_meta(db, _NODE + key, value)
+
+
+#: keys of the ``meta`` table: a job's stopped dump (``stopped-dump.NAME``), a node flag (``node.KEY``)
+_STOPPED_DUMP = "stopped-dump."
+_NODE = "node."
+
+
+def _meta(db: sqlite3.Connection, key: str) -> str | None:
+    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _set_meta(db: sqlite3.Connection, key: str, value: str | None) -> None:
+    """Set ``key`` of the ``meta`` table to ``value``; None deletes it."""
+    if value is None:
+        db.execute("DELETE FROM meta WHERE key=?", (key,))
+    else:
+        db.execute(
+            "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, value),
+        )
 
 
 def _submission(row: sqlite3.Row) -> Submission:
