@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, say, wait_for, write_section
+from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, publish, say, wait_for
 
 from torpor.adapters import system
 from torpor.adapters.criu import GHOST_LIMIT, NO_TCP_DUMP_OPTIONS, Criu
@@ -689,6 +689,21 @@ def filesystem_of(path: Path) -> str:
 
 
 @contextlib.contextmanager
+def raw_folder_in_hot_tier(engine: Engine, keep: bool = False) -> Iterator[Path]:
+    """A folder for raw CRIU's dumps in the file system of torpor's hot tier (RAM), which is made (torpor's
+    own tmpfs mounted) first; afterwards the folder goes, and the hot tier too unless ``keep``."""
+    engine.ctx.store.hot.ensure()  # type: ignore[attr-defined]  # mounts torpor's own tmpfs there
+    hot = engine.settings.hot_path / "bench.raw"  # a name with a dot is never taken for a leftover
+    hot.mkdir(parents=True)
+    try:
+        yield hot
+    finally:
+        shutil.rmtree(hot, ignore_errors=True)
+        if not keep:  # the hot tier lives in RAM outside the work folder
+            remove_hot_tier(engine.settings)
+
+
+@contextlib.contextmanager
 def workspace(keep: bool) -> Iterator[Path]:
     work = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
     try:
@@ -726,10 +741,8 @@ def main() -> int:
         say(f"work folder {work} ({filesystem_of(work)}), criu {version} at {settings.criu}")
         # raw CRIU also dumps into the file system of torpor's hot tier (RAM), to tell torpor's own
         # overhead from the cost of where it writes
-        engine.ctx.store.hot.ensure()  # type: ignore[attr-defined]  # mounts torpor's own tmpfs there
-        hot = settings.hot_path / "bench.raw"  # a name with a dot is never taken for a leftover
-        hot.mkdir(parents=True)
-        try:
+        with raw_folder_in_hot_tier(engine, keep=args.keep) as hot:
+            places = {"disk": filesystem_of(work), "hot": filesystem_of(settings.hot_path)}
             memory = [
                 bench_memory(engine, settings.criu, work, hot, int(float(size) * GIB), args.repeat)
                 for size in args.sizes.split(",")
@@ -738,19 +751,10 @@ def main() -> int:
             train = (
                 None if args.skip_training else bench_training(engine, settings.criu, work, hot, args.repeat)
             )
-        finally:
-            shutil.rmtree(hot, ignore_errors=True)
-            places = {"disk": filesystem_of(work), "hot": filesystem_of(settings.hot_path)}
-            if not args.keep:  # the hot tier lives in RAM outside the work folder
-                remove_hot_tier(settings)
         section = render(
             memory, train, args.repeat, version, places, time.monotonic() - started, machine(criu)
         )
-    if args.no_write:
-        say("\n" + section)
-    else:
-        write_section("core", section, args.doc)
-        say(f"\n{section}\n\nwrote {args.doc}")
+    publish("core", section, args.doc, args.no_write)
     return 0
 
 

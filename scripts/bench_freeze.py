@@ -45,16 +45,16 @@ from bench import (
     filesystem_of,
     machine,
     machine_table,
+    raw_folder_in_hot_tier,
     rotate,
     workspace,
 )
-from benchdoc import DOC, say, write_section
+from benchdoc import DOC, publish, say
 
 from torpor.adapters import system
 from torpor.adapters.criu import Criu
 from torpor.adapters.criuimage import read_dump_stats
 from torpor.core.engine import Engine
-from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
 
 HERE = Path(__file__).resolve().parent
@@ -342,25 +342,15 @@ def main() -> int:
         criu = Criu(settings.criu)
         criu.require()
         engine = Engine(settings)
-        engine.ctx.store.hot.ensure()  # type: ignore[attr-defined]  # mounts torpor's own tmpfs there
-        hot = settings.hot_path / "bench.raw"  # a name with a dot is never taken for a leftover
-        hot.mkdir(parents=True)
-        try:
+        with raw_folder_in_hot_tier(engine) as hot:
+            places = {"hot": filesystem_of(settings.hot_path)}
             results = [
                 bench_size(engine, settings.criu, work, hot, int(float(size) * GIB), args.repeat)
                 for size in args.sizes.split(",")
                 if size
             ]
-        finally:
-            shutil.rmtree(hot, ignore_errors=True)
-            places = {"hot": filesystem_of(settings.hot_path)}
-            remove_hot_tier(settings)
         section = render(results, args.repeat, places, time.monotonic() - started, machine(criu))
-    if args.no_write:
-        say("\n" + section)
-    else:
-        write_section("freeze", section, args.doc)
-        say(f"\n{section}\nwrote {args.doc}")
+    publish("freeze", section, args.doc, args.no_write)
     return 0
 
 

@@ -44,6 +44,15 @@ def write_section(name: str, section: str, doc: Path = DOC) -> None:
     os.replace(tmp, doc)
 
 
+def publish(name: str, section: str, doc: Path = DOC, print_only: bool = False) -> None:
+    """Write section ``name`` into ``doc`` and show it, or only show it (``--no-write``)."""
+    if print_only:
+        say("\n" + section)
+    else:
+        write_section(name, section, doc)
+        say(f"\n{section.rstrip()}\n\nwrote {doc}")
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
