@@ -342,15 +342,15 @@ def test_the_cpus_are_kept_quick_to_wake_while_criu_dumps_and_let_be_after(
 
 
 def test_holding_the_cpus_quick_to_wake_takes_only_the_kernels_device(tmp_path: Path) -> None:
-    with system.cpu_wakeups_held(tmp_path / "missing") as made:
+    with system.cpu_wakeups_held(device=tmp_path / "missing") as made:
         assert not made
     planted = tmp_path / "planted"
     planted.write_bytes(b"keep")
-    with system.cpu_wakeups_held(planted) as made:
+    with system.cpu_wakeups_held(device=planted) as made:
         assert not made
     assert planted.read_bytes() == b"keep"  # a regular file put in its place is not written
     link = tmp_path / "link"
     link.symlink_to(planted)
-    with system.cpu_wakeups_held(link) as made:
+    with system.cpu_wakeups_held(device=link) as made:
         assert not made
     assert planted.read_bytes() == b"keep"

@@ -19,7 +19,6 @@ checkpoints retention deletes and whether a dump is tried again are decisions of
 
 from __future__ import annotations
 
-import contextlib
 import random
 import shutil
 import time
@@ -187,7 +186,16 @@ def refuse_io_uring(pids: list[int]) -> None:
     )
 
 
-def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any) -> DumpStats:
+def dump(
+    criu: Criu,
+    pid: int,
+    images_dir: Path,
+    log_path: Path,
+    *,
+    tcp: bool = True,
+    hold_cpu_wakeups: bool = False,
+    **options: Any,
+) -> DumpStats:
     """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
 
     A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
@@ -196,11 +204,9 @@ def dump(criu: Criu, pid: int, images_dir: Path, log_path: Path, **options: Any)
     (:func:`torpor.adapters.system.cpu_wakeups_held`: a shorter freeze).
     """
     attempt = 1
-    tcp = bool(options.pop("tcp", True))
-    hold = bool(options.pop("hold_cpu_wakeups", False))
     while True:
         try:
-            with system.cpu_wakeups_held() if hold else contextlib.nullcontext():
+            with system.cpu_wakeups_held(hold_cpu_wakeups):
                 return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
         except (CheckpointFailed, StorageFull):
             decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())

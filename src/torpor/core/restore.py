@@ -80,7 +80,7 @@ def restore_into_launcher(
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
         # the CPUs kept quick to wake while CRIU restores (system.cpu_wakeups_held)
-        with system.cpu_wakeups_held() if ctx.settings.hold_cpu_wakeups else contextlib.nullcontext():
+        with system.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups):
             pid = ctx.criu.restore(
                 image_dir,
                 ctx.criu_log(job.name, "restore", checkpoint_id),
