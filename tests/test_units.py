@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -354,3 +355,38 @@ def test_holding_the_cpus_quick_to_wake_takes_only_the_kernels_device(tmp_path: 
     with system.cpu_wakeups_held(device=link) as made:
         assert not made
     assert planted.read_bytes() == b"keep"
+
+
+# -- the demo's waiting -------------------------------------------------------------------------------
+
+
+class _EndingEngine:
+    """An engine whose job has just exited: every status says EXITED."""
+
+    class records:  # stands in for Engine.records
+        @staticmethod
+        def jobs() -> list[object]:
+            return []
+
+    def status(self, name: str) -> object:
+        return SimpleNamespace(job=SimpleNamespace(state=JobState.EXITED))
+
+    def log_path(self, name: str) -> Path:
+        return Path("/nonexistent")
+
+
+def test_the_demo_counts_a_wait_done_just_before_the_job_exited() -> None:
+    from torpor.apps.demo import Demo
+    from torpor.errors import DemoFailed
+
+    demo = Demo(_EndingEngine(), steps=10, pace=0.0, data_mib=1)  # type: ignore[arg-type]
+    calls: list[int] = []  # not done at the first look; the job ends (done) before status() is read
+
+    def done() -> bool:
+        calls.append(1)
+        return len(calls) > 1
+
+    demo.wait(done, "the job to finish", timeout=5)
+
+    with pytest.raises(DemoFailed, match="exited while waiting for step 3"):
+        demo.wait(lambda: False, "step 3", timeout=5)

@@ -112,7 +112,8 @@ class Demo:
         deadline = time.monotonic() + timeout
         while not done():
             job = self.engine.status(self.name).job
-            if job.state in (JobState.EXITED, JobState.FAILED):
+            # the job may have ended between done() and status(): what it did before ending counts
+            if job.state in (JobState.EXITED, JobState.FAILED) and not done():
                 raise DemoFailed(
                     f"the training job {job.state} while waiting for {what}",
                     details=self.log().splitlines()[-5:],
