@@ -62,7 +62,10 @@ def median(values: list[float]) -> float:
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in path.iterdir() if entry.is_file())
+    """The bytes of the files under ``path``, at any depth (a CRIU image folder is flat; a borg repository is not)."""
+    return sum(
+        entry.stat().st_size for entry in path.rglob("*") if entry.is_file() and not entry.is_symlink()
+    )
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
