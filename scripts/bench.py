@@ -33,6 +33,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,7 @@ class RawProcess:
         wait_for(lambda: children.read_text().strip() != "", "the raw workload to start", 10)
         self.pid = int(children.read_text().split()[0])
         self.restored = False  # a restored root is our child (we are a subreaper), not unshare's
+        self.last_criu_s = 0.0  # CRIU's own time in the last restore, from its log
         self.last_image: Path | None = None
         self.killed = False
 
@@ -146,7 +148,8 @@ class RawProcess:
         return stats.frozen_s or wall, wall, size
 
     def restore(self) -> float:
-        """Restore the last (killing) dump with ``criu restore -d``; returns its wall time."""
+        """Restore the last (killing) dump with ``criu restore -d``; returns its wall time (CRIU's own, from
+        its log, goes to ``last_criu_s``)."""
         images = self.last_image
         assert images is not None, "restore() follows a dump(leave_running=False)"
         pidfile = self.work / f"restore-{self.count}.pid"
@@ -165,6 +168,7 @@ class RawProcess:
         began = time.monotonic()
         subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
         wall = time.monotonic() - began
+        self.last_criu_s = criu_log_seconds(self.work / f"restore-{self.count}.log")
         self.pid = int(pidfile.read_text().strip())
         self.restored = True
         shutil.rmtree(images)
@@ -228,12 +232,16 @@ class TorporJob:
             self._forget(checkpoint.id)
         return checkpoint.freeze_s, wall, checkpoint.size_bytes, durable
 
-    def resume(self) -> float:
+    def resume(self, spans: RestoreSpans | None = None) -> float:
+        """``torpor resume`` of the last hibernation: its wall time; ``spans`` gets where that time went."""
+        marks: list[tuple[float, str]] = []
         began = time.monotonic()
-        self.engine.restore(self.name)
-        wall = time.monotonic() - began
+        self.engine.restore(self.name, progress=lambda text: marks.append((time.monotonic(), text)))
+        ended = time.monotonic()
+        if spans is not None:
+            spans.add(began, marks, ended, self.engine.ctx.criu_log(self.name, "restore", self.hibernated))
         self._forget(self.hibernated)
-        return wall
+        return ended - began
 
     def pid(self) -> int:
         pid = self.engine.status(self.name).job.pid
@@ -248,6 +256,36 @@ class TorporJob:
             return
         with contextlib.suppress(Exception):
             self.engine.remove(self.name, force=True)
+
+
+#: where the time of ``torpor resume`` goes: (span, the progress message that ends it; None: the return)
+RESTORE_SPANS: tuple[tuple[str, str | None], ...] = (
+    ("launcher started, the old tree checked gone", "fetching checkpoint"),
+    ("image opened, metadata verified, the job's files and sockets prepared", "restoring with criu"),
+    ("`criu restore` with the pages verified as CRIU reads them, until the job runs", None),
+)
+
+
+def criu_log_seconds(log: Path) -> float:
+    """CRIU's own run time: the last timestamp of its ``-v4`` log (0 when it has none)."""
+    stamps = re.findall(r"^\((\d+\.\d+)\)", log.read_text(errors="replace"), re.MULTILINE)
+    return float(stamps[-1]) if stamps else 0.0
+
+
+@dataclass
+class RestoreSpans:
+    """torpor resume's time split by its progress messages (RESTORE_SPANS), and CRIU's own share of it."""
+
+    spans: dict[str, Samples] = field(default_factory=lambda: {name: Samples() for name, _ in RESTORE_SPANS})
+    criu_s: Samples = field(default_factory=Samples)
+
+    def add(self, began: float, marks: list[tuple[float, str]], ended: float, log: Path) -> None:
+        at = began
+        for name, until in RESTORE_SPANS:
+            end = ended if until is None else next((t for t, text in marks if text.startswith(until)), at)
+            self.spans[name].add(end - at)
+            at = end
+        self.criu_s.add(criu_log_seconds(log) if log.exists() else 0.0)
 
 
 def rotate(rep: int, *actions: Callable[[], None]) -> None:
@@ -269,7 +307,9 @@ class MemoryResult:
     raw_hib: DumpSamples = field(default_factory=DumpSamples)
     torpor_hib: DumpSamples = field(default_factory=DumpSamples)
     raw_restore: Samples = field(default_factory=Samples)
+    raw_restore_criu: Samples = field(default_factory=Samples)  # CRIU's own time, from its log
     torpor_restore: Samples = field(default_factory=Samples)
+    torpor_restore_spans: RestoreSpans = field(default_factory=RestoreSpans)
 
 
 def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, repeat: int) -> MemoryResult:
@@ -310,6 +350,7 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
         for rep in range(repeat):
             result.raw_hib.add(*raw.dump(leave_running=False))
             result.raw_restore.add(raw.restore())
+            result.raw_restore_criu.add(raw.last_criu_s)
             say(
                 f"  raw hibernate+restore {rep + 1}: frozen {result.raw_hib.freeze_s.values[-1]:.2f} s, "
                 f"restore {result.raw_restore.values[-1]:.2f} s"
@@ -320,7 +361,7 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
         job.wait_ready()
         for rep in range(repeat):
             result.torpor_hib.add(*job.checkpoint(hibernate=True))
-            result.torpor_restore.add(job.resume())
+            result.torpor_restore.add(job.resume(result.torpor_restore_spans))
             say(
                 f"  torpor hibernate+resume {rep + 1}: frozen {result.torpor_hib.freeze_s.values[-1]:.2f} s, "
                 f"restore {result.torpor_restore.values[-1]:.2f} s"
@@ -550,6 +591,22 @@ def render(
                 f"| {m.size / GIB:g} GiB | {secs(m.raw_restore)} | {secs(m.torpor_restore)} | "
                 f"{ratio(m.torpor_restore, m.raw_restore)} |"
             )
+        lines += [
+            "",
+            "Where the time of `torpor resume` goes (medians; the spans end at its progress messages), "
+            "against the time raw CRIU's own `-v4` log spans in its restore:",
+            "",
+            "| memory | " + " | ".join(name for name, _ in RESTORE_SPANS) + " | of which CRIU's own run "
+            "| raw: `criu restore -d` | raw: CRIU's own run |",
+            "|---|" + "---|" * (len(RESTORE_SPANS) + 3),
+        ]
+        for m in memory:
+            spans = m.torpor_restore_spans
+            lines.append(
+                f"| {m.size / GIB:g} GiB | "
+                + " | ".join(secs(spans.spans[name]) for name, _ in RESTORE_SPANS)
+                + f" | {secs(spans.criu_s)} | {secs(m.raw_restore)} | {secs(m.raw_restore_criu)} |"
+            )
         lines += ["", *verdict(memory), ""]
     if train is not None:
         lines += [
@@ -608,6 +665,11 @@ def render(
         )
         samples[f"{label} hibernate, frozen (raw / torpor)"] = (m.raw_hib.freeze_s, m.torpor_hib.freeze_s)
         samples[f"{label} restore (raw / torpor)"] = (m.raw_restore, m.torpor_restore)
+        samples[f"{label} restore, CRIU's own run (raw / torpor)"] = (
+            m.raw_restore_criu,
+            m.torpor_restore_spans.criu_s,
+        )
+        samples[f"{label} torpor resume, by span"] = tuple(m.torpor_restore_spans.spans.values())
     if train is not None:
         samples["training: torch.save / torch.load / fresh-process restart"] = (
             train.save_s,
