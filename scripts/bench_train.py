@@ -2,7 +2,9 @@
 
 ``scripts/bench.py`` uses it three ways, always with the same model and optimizer state:
 
-* ``serve``: train a step, sleep, repeat — the running job torpor checkpoints;
+* ``serve``: train a step, sleep, repeat — the running job torpor checkpoints; with ``--tick`` a thread
+  also ticks every 5 ms and prints ``gap S s`` for every tick more than 20 ms late (how long a checkpoint
+  froze it, as the job feels it: ``scripts/bench_freeze.py`` reads these);
 * ``save PATH``: after the same warm-up steps, time ``torch.save`` of model + optimizer state and
   ``torch.load`` of it back into the model and optimizer (in this process), a few times; print JSON;
 * ``restart PATH``: what resuming from a ``torch.save`` file costs a fresh process — start Python, import
@@ -15,12 +17,25 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
 from torch import nn
 
 BATCH = 8
+TICK_S, GAP_S = 0.005, 0.020
+
+
+def tick() -> None:
+    """Every 5 ms, print how late a tick came when it was more than 20 ms late."""
+    last = time.monotonic()
+    while True:
+        time.sleep(TICK_S)
+        now = time.monotonic()
+        if now - last > GAP_S:
+            print(f"gap {now - last - TICK_S:.3f} s", flush=True)
+        last = now
 
 
 def build(layers: int, hidden: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -49,6 +64,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pace", type=float, default=0.5)
+    parser.add_argument("--tick", action="store_true", help="serve: report the gaps of a 5 ms loop")
     args = parser.parse_args()
     started = time.monotonic()
     torch.set_num_threads(1)
@@ -82,6 +98,8 @@ def main() -> int:
         print(json.dumps({"params": params, "runs": results}), flush=True)
         return 0
 
+    if args.tick:
+        threading.Thread(target=tick, daemon=True).start()
     print(f"ready: {params} parameters", flush=True)
     step = 0
     while True:
