@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,16 +28,23 @@ def main() -> int:
         end = min(start + step, len(memory))
         memory[start:end] = rng.integers(0, 2**63, size=end - start, dtype=np.uint64)
     print(f"ready: {memory.nbytes} bytes of random memory", flush=True)
-    last = beat = time.monotonic()
+    tick(lambda: print(f"alive; checksum word {int(memory[int(time.time()) % len(memory)])}", flush=True))
+    return 0
+
+
+def tick(beat: Callable[[], None] | None = None) -> None:
+    """Forever: every 5 ms, print how late a tick came when it was more than 20 ms late; ``beat`` once a
+    minute. (``scripts/bench_train.py serve --tick`` runs it in a thread.)"""
+    last = beat_at = time.monotonic()
     while True:
         time.sleep(TICK_S)
         now = time.monotonic()
         if now - last > GAP_S:
             print(f"gap {now - last - TICK_S:.3f} s", flush=True)
         last = now
-        if now - beat >= 60:
-            beat = now
-            print(f"alive; checksum word {int(memory[int(now) % len(memory)])}", flush=True)
+        if beat is not None and now - beat_at >= 60:
+            beat_at = now
+            beat()
 
 
 if __name__ == "__main__":

@@ -377,6 +377,8 @@ class Bench:
         shutil.rmtree(image)
 
     def borg(self) -> None:
+        from bench import rotate
+
         say("== the second checkpoint of 1 GiB after 5 % changed, against raw CRIU + borg ==")
         borg = borg_program()
         repo = self.work / "borg-repo"
@@ -411,19 +413,26 @@ class Bench:
 
         self.checkpoint(name)  # both stores hold the first state
         backup()
-        ours, theirs, ours_bytes, theirs_bytes = [], [], [], []
+        ours: list[float] = []
+        theirs: list[float] = []
+        ours_bytes: list[int] = []
+        theirs_bytes: list[int] = []
+
+        def torpor_side() -> None:
+            settle()
+            _, durable, _, stored = self.checkpoint(name)
+            ours.append(durable)
+            ours_bytes.append(stored)
+
+        def borg_side() -> None:
+            settle()
+            seconds, grew = backup()
+            theirs.append(seconds)
+            theirs_bytes.append(grew)
+
         for rep in range(self.repeat):
             self.signal(name, signal.SIGUSR1)  # 5 %, one contiguous region, rewritten with new bytes
-            for side in [(rep + i) % 2 for i in range(2)]:
-                settle()
-                if side == 0:
-                    _, durable, _, stored = self.checkpoint(name)
-                    ours.append(durable)
-                    ours_bytes.append(stored)
-                else:
-                    seconds, grew = backup()
-                    theirs.append(seconds)
-                    theirs_bytes.append(grew)
+            rotate(rep, torpor_side, borg_side)
         self.engine.remove(name, force=True)
         self.timed(
             "2nd checkpoint after 5 % changed, until durable (raw: criu dump into tmpfs + borg create)",

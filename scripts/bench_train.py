@@ -21,21 +21,10 @@ import threading
 import time
 
 import torch
+from bench_memory import tick
 from torch import nn
 
 BATCH = 8
-TICK_S, GAP_S = 0.005, 0.020
-
-
-def tick() -> None:
-    """Every 5 ms, print how late a tick came when it was more than 20 ms late."""
-    last = time.monotonic()
-    while True:
-        time.sleep(TICK_S)
-        now = time.monotonic()
-        if now - last > GAP_S:
-            print(f"gap {now - last - TICK_S:.3f} s", flush=True)
-        last = now
 
 
 def build(layers: int, hidden: int) -> tuple[nn.Module, torch.optim.Optimizer]:
