@@ -345,8 +345,12 @@ def render_steadiness(steady: Steadiness) -> list[str]:
         "checkpoint writes into the memory the last one's RAM copy freed a moment before; back to back, "
         "the copies stay, and CRIU writes into memory the host took back. By hand: touching 2 GiB of fresh "
         "memory took 1.5–7.8 s, and with 2 GiB touched and freed right before each, five back-to-back "
-        "checkpoints froze 0.92–1.20 s (without: 0.91, 1.13, 4.47, 4.16, 1.04 s). So the cure is memory "
-        "kept warm for the next dump and freed just before it (a pool in the hot tier), which is not built.",
+        "checkpoints froze 0.92–1.20 s (without: 0.91, 1.13, 4.47, 4.16, 1.04 s). A pool kept warm in the "
+        "hot tier is not enough: tried by hand (2 GiB written by the destager once it is idle, freed as the "
+        "next dump or restore begins), it froze the back-to-back checkpoints 0.86, 2.58, 5.23, 1.93 and "
+        "1.60 s: the pool feeds one dump, and back to back the destager is never idle to write it again. "
+        "Nothing short of memory already written for every dump in flight would do, at that much RAM held "
+        "idle; it is not built.",
         "",
         "- felt, spaced: " + ", ".join(f"{v:.3f}" for v in steady.spaced.felt.values),
         "- felt, back to back: " + ", ".join(f"{v:.3f}" for v in steady.back_to_back.felt.values),
