@@ -266,10 +266,14 @@ RESTORE_SPANS: tuple[tuple[str, str | None], ...] = (
 )
 
 
+#: a line of CRIU's -v4 log: "(SS.UUUUUU) text", seconds since CRIU started
+CRIU_LOG_LINE = re.compile(r"^\((\d+\.\d+)\)\s?(.*)$", re.MULTILINE)
+
+
 def criu_log_seconds(log: Path) -> float:
     """CRIU's own run time: the last timestamp of its ``-v4`` log (0 when it has none)."""
-    stamps = re.findall(r"^\((\d+\.\d+)\)", log.read_text(errors="replace"), re.MULTILINE)
-    return float(stamps[-1]) if stamps else 0.0
+    stamps = CRIU_LOG_LINE.findall(log.read_text(errors="replace"))
+    return float(stamps[-1][0]) if stamps else 0.0
 
 
 @dataclass

@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import (
+    CRIU_LOG_LINE,
     GIB,
     RawProcess,
     Samples,
@@ -58,7 +58,7 @@ from bench import (
     rotate,
     workspace,
 )
-from benchdoc import DOC, publish, say
+from benchdoc import DOC, median, publish, say
 
 from torpor.adapters import system
 from torpor.adapters.criu import Criu
@@ -71,8 +71,6 @@ HERE = Path(__file__).resolve().parent
 BAR, FALLBACK_BAR = 0.5, 0.8
 #: goal 5: the worst freeze a training job feels over its checkpoints, at most this times the median
 STEADY_BAR = 2.0
-#: a line of CRIU's -v4 log: "(SS.UUUUUU) text"
-_LINE = re.compile(r"^\((\d+\.\d+)\)\s?(.*)$")
 #: CRIU's steps, in the order its log enters them: (step, the text of the line that starts it)
 STEPS: tuple[tuple[str, str], ...] = (
     ("start: kernel probes, options (not frozen)", ""),
@@ -101,7 +99,7 @@ def profile(log: Path) -> dict[str, float]:
     spent = {step: 0.0 for step, _ in STEPS}
     current, previous = 0, None
     for line in log.read_text(errors="replace").splitlines():
-        match = _LINE.match(line)
+        match = CRIU_LOG_LINE.match(line)
         if match is None:
             continue
         at, text = float(match.group(1)), match.group(2)
@@ -306,7 +304,7 @@ def bench_steadiness(engine: Engine, count: int) -> Steadiness:
 
 def render_steadiness(steady: Steadiness) -> list[str]:
     felt = steady.felt
-    middle = statistics.median(felt)
+    middle = median(felt)
     worst = max(felt)
     save = steady.save_s
     verdict = "met" if worst <= STEADY_BAR * middle else "not met"
