@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +28,7 @@ from conftest import Torpor, holders
 from torpor.adapters.criu import Criu
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.pageserver import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
+from torpor.core.restore import restore_into_launcher
 from torpor.core.store.lazy import LazyImage, extent_slices, file_ranges
 from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun, read_pagemap
@@ -280,6 +282,46 @@ class LazyRestore:
         self.known.wait(60)
         if self.pid is not None:
             os.kill(self.pid, signal.SIGKILL)
+
+
+def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_before_criu_runs(
+    tmp_path: Path,
+) -> None:
+    """The launcher reads the image's pagemaps while ``criu lazy-pages`` starts: if that read fails, the
+    daemon is killed, the restore folder removed and ``criu restore`` never runs (stand-ins for CRIU)."""
+    folder = tmp_path / "restore-c"
+    folder.mkdir()
+    events: list[str] = []
+
+    class Daemon:
+        def kill(self) -> None:
+            events.append("daemon killed")
+
+        def wait(self) -> None:
+            events.append("daemon reaped")
+
+    def page_source(checkpoint_id: str, dest: Path) -> LazyImage:
+        events.append(f"page source of {checkpoint_id}")
+        raise CorruptImage(f"checkpoint {checkpoint_id} has an unreadable pagemap-1.img")
+
+    def start_lazy_pages(images_dir: Path, log: Path, *, page_server_fd: int) -> Daemon:
+        events.append("daemon started")
+        return Daemon()
+
+    def restore(*args: object, **kwargs: object) -> int:
+        raise AssertionError("criu restore ran")
+
+    ctx = SimpleNamespace(
+        criu_log=lambda name, kind, checkpoint_id: tmp_path / f"{kind}.log",
+        store=SimpleNamespace(page_source=page_source),
+        criu=SimpleNamespace(start_lazy_pages=start_lazy_pages, restore=restore),
+    )
+    job = SimpleNamespace(name="j")
+    with pytest.raises(CorruptImage, match="unreadable pagemap"):
+        restore_into_launcher(ctx, job, folder, "c", lazy=True, served=True)  # type: ignore[arg-type]
+    assert sorted(events) == ["daemon killed", "daemon reaped", "daemon started", "page source of c"]
+    assert events[-2:] == ["daemon killed", "daemon reaped"]
+    assert not folder.exists()
 
 
 @pytest.fixture

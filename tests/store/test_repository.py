@@ -108,6 +108,18 @@ def test_a_manifest_cannot_write_outside_the_restore_folder(backend: Backend, tm
     assert not (tmp_path / "evil").exists()
 
 
+def test_a_manifest_read_twice_is_parsed_once_but_changed_bytes_are_read_anew(
+    backend: Backend, tmp_path: Path
+) -> None:
+    repo = Repository(backend)
+    manifest = repo.write("c", "job", write_image(tmp_path / "img", {BASE: _random(MiB)}), {})
+    assert repo.manifest("c") is repo.manifest("c")  # a restore asks twice: one parse
+    evil = manifest.to_bytes().replace(b'"name":"core-1.img"', b'"name":"../../evil"')
+    backend.store("manifests/c", repo.codec.encode(2, evil))
+    with pytest.raises(CorruptImage, match="bad file name"):
+        repo.manifest("c")
+
+
 def test_unknown_checkpoint(backend: Backend) -> None:
     with pytest.raises(CheckpointNotFound):
         Repository(backend).manifest("nope")

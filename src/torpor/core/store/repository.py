@@ -71,6 +71,8 @@ class Repository:
         self._opened = False
         #: where each chunk the indexes read so far name lies
         self.chunks = ChunkMap(backend, self.codec)
+        #: the manifest read last, with the stored bytes it came from (a restore reads one twice)
+        self._last_manifest: tuple[bytes, Manifest] | None = None
 
     # -- config ---------------------------------------------------------------------------------------
 
@@ -123,9 +125,13 @@ class Repository:
             raise CheckpointNotFound(
                 f"checkpoint {checkpoint_id} is not in the store {self.backend.url}"
             ) from exc
+        last = self._last_manifest
+        if last is not None and last[0] == blob and last[1].id == checkpoint_id:
+            return last[1]  # the very bytes decoded, verified and parsed before: the same manifest
         manifest = Manifest.from_bytes(self.codec.decode(KIND_MANIFEST, blob, what), what)
         if manifest.id != checkpoint_id:
             raise CorruptImage(f"{what} describes another checkpoint ({manifest.id})")
+        self._last_manifest = (bytes(blob), manifest)
         return manifest
 
     def ids(self) -> list[str]:
