@@ -5,8 +5,10 @@
 * ``serve``: train a step, sleep, repeat — the running job torpor checkpoints; with ``--tick`` a thread
   also ticks every 5 ms and prints ``gap S s`` for every tick more than 20 ms late (how long a checkpoint
   froze it, as the job feels it: ``scripts/bench_freeze.py`` reads these);
-* ``save PATH``: after the same warm-up steps, time ``torch.save`` of model + optimizer state and
-  ``torch.load`` of it back into the model and optimizer (in this process), a few times; print JSON;
+* ``save PATH``: after the same warm-up steps, time ``torch.save`` of model + optimizer state,
+  ``torch.load`` of it back into the model and optimizer (in this process), and ``torch.save`` into
+  another file then fsynced (durable, what torpor's time until durable compares with), a few times;
+  print JSON;
 * ``restart PATH``: what resuming from a ``torch.save`` file costs a fresh process — start Python, import
   torch, build the model and optimizer, load the file; print JSON with the time spent in this process.
 """
@@ -83,7 +85,15 @@ def main() -> int:
             optimizer.load_state_dict(loaded["optimizer"])
             load_s = time.monotonic() - began
             del loaded
-            results.append({"save_s": save_s, "load_s": load_s, "bytes": size})
+            synced = f"{args.path}.fsync"
+            began = time.monotonic()
+            with open(synced, "wb") as file:
+                torch.save(state(model, optimizer), file)
+                file.flush()
+                os.fsync(file.fileno())
+            save_fsync_s = time.monotonic() - began
+            os.unlink(synced)
+            results.append({"save_s": save_s, "save_fsync_s": save_fsync_s, "load_s": load_s, "bytes": size})
         print(json.dumps({"params": params, "runs": results}), flush=True)
         return 0
 

@@ -68,12 +68,12 @@ def dir_bytes(path: Path) -> int:
     )
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 300, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def cpu_model() -> str | None:
