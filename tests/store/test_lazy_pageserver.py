@@ -151,6 +151,29 @@ def test_read_pages_returns_exactly_the_memory_across_chunks_and_zeros(
             image.read_pages(8, BASE, 1)
 
 
+def test_chunks_are_fetched_ahead_along_a_stream_of_requests_and_not_after_a_fault(tmp_path: Path) -> None:
+    memory = os.urandom(8 * MiB)
+    folder = _image(tmp_path / "img", [(BASE, memory, LAZY)])
+    repo = Repository(FolderBackend(tmp_path / "store"), workers=2)
+    repo.write("c", "job", folder, {})
+
+    def claimed(image: LazyImage) -> int:
+        """Chunks fetched or being fetched (a fetch ahead is claimed before read_pages returns)."""
+        with image._lock:
+            return image.fetched_chunks + len(image._pending)
+
+    with LazyImage.open(repo, "c", prefetch=3) as image:
+        image.prepare(tmp_path / "restore")
+        files = claimed(image)  # the pagemap and core files
+        assert image.read_pages(7, BASE + 5 * MiB, 1) == memory[5 * MiB : 5 * MiB + PAGE_SIZE]
+        assert image.read_pages(7, BASE + MiB, 1) == memory[MiB : MiB + PAGE_SIZE]
+        assert claimed(image) == files + 2  # two faults: their own chunks only
+        got = image.read_pages(7, BASE + MiB + PAGE_SIZE, 255)  # goes on from the last request
+        assert got == memory[MiB + PAGE_SIZE : 2 * MiB]
+        assert claimed(image) == files + 2 + 3  # the 3 chunks after it, fetched ahead
+        assert image.read_pages(7, BASE + 2 * MiB, 256) == memory[2 * MiB : 3 * MiB]
+
+
 def test_a_corrupt_lazy_chunk_is_refused_when_read_and_a_corrupt_eager_one_by_prepare(
     stored: tuple[Repository, dict[int, bytes]], tmp_path: Path
 ) -> None:

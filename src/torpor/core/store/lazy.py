@@ -39,10 +39,12 @@ from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, saf
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, Pagemap
 from torpor.core.store.repository import Repository
 from torpor.errors import CorruptImage, RestoreFailed, StoreError
+from torpor.policy import readahead
 
 #: verified chunks kept in memory for the requests that follow
 DEFAULT_CACHE_BYTES = 256 << 20
-#: chunks fetched ahead of the last one a request used
+#: chunks fetched ahead of the last one a request used, when it went on from the one before
+#: (:func:`torpor.policy.readahead.chunks_ahead`)
 DEFAULT_PREFETCH = 8
 
 _PROCESS_PAGEMAP = re.compile(r"^pagemap-(\d+)\.img$")
@@ -126,6 +128,8 @@ class LazyImage:
         self.prefetch = prefetch
         self._files = {entry.name: entry for entry in manifest.files}
         self._processes: dict[int, _Process] = {}
+        #: where each process's last request ended: one that begins there is a stream, fetched ahead
+        self._ends: dict[int, int] = {}
         self._lock = threading.Lock()
         self._cache: OrderedDict[ChunkId, Chunk] = OrderedDict()
         self._cached_bytes = 0
@@ -312,12 +316,14 @@ class LazyImage:
             position += length
         with self._lock:
             self.served_bytes += len(out)
-        if pieces and self.prefetch:
-            self._fetch_ahead(process.entry, pieces[-1][0] + 1)
+            ahead = readahead.chunks_ahead(self._ends.get(pid), vaddr, self.prefetch)
+            self._ends[pid] = vaddr + nr_pages * PAGE_SIZE
+        if pieces and ahead:
+            self._fetch_ahead(process.entry, pieces[-1][0] + 1, ahead)
         return out
 
-    def _fetch_ahead(self, entry: FileEntry, first: int) -> None:
-        for _, size, chunk in entry.extents[first : first + self.prefetch]:
+    def _fetch_ahead(self, entry: FileEntry, first: int, count: int) -> None:
+        for _, size, chunk in entry.extents[first : first + count]:
             if chunk is None:
                 continue
             future, owner = self._claim(chunk)
