@@ -164,3 +164,26 @@ def test_a_folder_writes_around_the_page_cache_and_through_it_where_the_file_sys
     writer.commit()
     backend.sync()
     assert backend.load("packs/ab/direct") == backend.load("packs/ab/buffered") == data
+
+
+def test_a_folder_whose_file_system_refuses_a_direct_write_writes_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom((4 << 20) + 5000)
+    backend = FolderBackend(tmp_path / "objects")
+    backend.create()
+    real_write = os.write
+
+    def refuse_direct(fd: int, payload: bytes | memoryview) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, payload)
+
+    monkeypatch.setattr(os, "write", refuse_direct)
+    writer = backend.writer("packs/ab/refused")
+    assert writer._batch is not None  # O_DIRECT was taken; the write is what is refused
+    writer.write(data)
+    writer.commit()
+    monkeypatch.undo()
+    backend.sync()
+    assert backend.load("packs/ab/refused") == data

@@ -175,6 +175,12 @@ class FolderBackend:
         self.sync()
 
 
+def _set_direct(fd: int, on: bool) -> None:
+    """Turn ``O_DIRECT`` on or off for ``fd``; OSError where the file system refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+
 #: objects are written around the page cache (``O_DIRECT``) in whole blocks of this many bytes
 DIRECT_BLOCK = 4096
 #: and gathered for it into a buffer of this many bytes, written each time it is full
@@ -214,9 +220,12 @@ class _FileWriter:
         #: the buffer of an O_DIRECT file (None: written through the page cache), and its bytes in use
         self._batch: mmap.mmap | None = None
         self._filled = 0
-        with contextlib.suppress(OSError):  # refused by file systems without it: the page cache then
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
-            self._batch = mmap.mmap(-1, DIRECT_BATCH)  # page-aligned, as O_DIRECT wants
+        batch = mmap.mmap(-1, DIRECT_BATCH)  # page-aligned, as O_DIRECT wants
+        try:
+            _set_direct(self._fd, True)
+            self._batch = batch
+        except OSError:  # refused by file systems without it: the page cache then
+            batch.close()
 
     def write(self, *parts: bytes | memoryview) -> None:
         began = self._size
@@ -251,7 +260,15 @@ class _FileWriter:
     def _write_batch(self, length: int) -> None:
         """Write the first ``length`` bytes of the buffer (whole blocks) at the end of the file."""
         assert self._batch is not None
-        written = os.write(self._fd, memoryview(self._batch)[:length])
+        view = memoryview(self._batch)[:length]
+        try:
+            written = os.write(self._fd, view)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # a file system that took O_DIRECT but refuses the write: through the page cache from now on
+            _set_direct(self._fd, False)
+            written = os.write(self._fd, view)
         if written != length:  # a regular file writes short only when it cannot write more
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._filled = 0
