@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -96,18 +94,6 @@ def test_large_object_and_parallel_writers(backend: Backend) -> None:
         list(pool.map(lambda i: backend.store(f"chunks/{i:02x}/{i:04x}", big[i:]), range(32)))
     backend.sync()
     assert all(backend.load(f"chunks/{i:02x}/{i:04x}") == big[i:] for i in range(32))
-
-
-def test_an_object_written_in_odd_parts_across_buffers_comes_back_exact(backend: Backend) -> None:
-    mib = 1 << 20
-    data = os.urandom(9 * mib + 12345)
-    cuts = [0, 1, 4095, 4097, 4 * mib - 3, 4 * mib + 5, 8 * mib + 4096, len(data)]
-    writer = backend.writer("packs/ab/abcd")
-    for start, end in itertools.pairwise(cuts):
-        writer.write(data[start:end])
-    writer.commit()
-    backend.sync()
-    assert backend.load("packs/ab/abcd") == data
 
 
 def test_remove_leftovers_keeps_every_stored_object_and_dropped_writers_leave_nothing(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import subprocess
@@ -137,53 +135,3 @@ def test_a_partial_folder_that_vanishes_while_leftovers_are_listed_is_skipped(
 
     monkeypatch.setattr(hot_module, "owner_alive", renamed_meanwhile)
     assert [p.name for p in tier.leftovers()] == [".x.deleting"]
-
-
-def test_a_folder_writes_around_the_page_cache_and_through_it_where_the_file_system_refuses(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = os.urandom((5 << 20) + 777)  # a full buffer, then a tail that is not a whole block
-    backend = FolderBackend(tmp_path / "objects")
-    backend.create()
-    writer = backend.writer("packs/ab/direct")
-    assert writer._batch is not None  # this disk (ext4) takes O_DIRECT
-    writer.write(data[:100], data[100:])
-    writer.commit()
-    assert (tmp_path / "objects" / "packs" / "ab" / "direct").stat().st_size == len(data)
-
-    def refuse(fd: int, command: int, *args: int) -> int:
-        if command == fcntl.F_SETFL:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return fcntl_fcntl(fd, command, *args)
-
-    fcntl_fcntl = fcntl.fcntl
-    monkeypatch.setattr(fcntl, "fcntl", refuse)
-    writer = backend.writer("packs/ab/buffered")
-    assert writer._batch is None
-    writer.write(data)
-    writer.commit()
-    backend.sync()
-    assert backend.load("packs/ab/direct") == backend.load("packs/ab/buffered") == data
-
-
-def test_a_folder_whose_file_system_refuses_a_direct_write_writes_through_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = os.urandom((4 << 20) + 5000)
-    backend = FolderBackend(tmp_path / "objects")
-    backend.create()
-    real_write = os.write
-
-    def refuse_direct(fd: int, payload: bytes | memoryview) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, payload)
-
-    monkeypatch.setattr(os, "write", refuse_direct)
-    writer = backend.writer("packs/ab/refused")
-    assert writer._batch is not None  # O_DIRECT was taken; the write is what is refused
-    writer.write(data)
-    writer.commit()
-    monkeypatch.undo()
-    backend.sync()
-    assert backend.load("packs/ab/refused") == data

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import mmap
 import os
 import threading
 import time
@@ -175,28 +173,11 @@ class FolderBackend:
         self.sync()
 
 
-def _set_direct(fd: int, on: bool) -> None:
-    """Turn ``O_DIRECT`` on or off for ``fd``; OSError where the file system refuses it."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-
-
-#: objects are written around the page cache (``O_DIRECT``) in whole blocks of this many bytes
-DIRECT_BLOCK = 4096
-#: and gathered for it into a buffer of this many bytes, written each time it is full
-DIRECT_BATCH = 4 << 20
-
-
 class _FileWriter:
     """An object of a :class:`FolderBackend` written in parts: a temp file, renamed at ``commit``.
 
-    Where the file system takes ``O_DIRECT``, the parts are gathered into a buffer of
-    :data:`DIRECT_BATCH` bytes that goes straight to the disk each time it is full, the page cache
-    left out: a checkpoint's packs are not read again soon, and on these virtual machines filling the
-    page cache costs more than the disk (1 GiB written then fsynced: 4-10 s through the page cache,
-    1.7-2.0 s around it). The last block is written padded with zeros and the file cut back to its
-    size. Elsewhere each part's writeback starts as soon as it is written, so a big object (a pack)
-    streams to the disk while it is being built.
+    Each part's writeback starts as soon as it is written, so a big object (a pack) streams to the disk
+    while it is being built.
     """
 
     def __init__(self, backend: FolderBackend, name: str) -> None:
@@ -217,78 +198,27 @@ class _FileWriter:
         except OSError as exc:
             raise _error(exc, f"cannot write {name} in {backend.root}") from exc
         self._open = True
-        #: the buffer of an O_DIRECT file (None: written through the page cache), and its bytes in use
-        self._batch: mmap.mmap | None = None
-        self._filled = 0
-        batch = mmap.mmap(-1, DIRECT_BATCH)  # page-aligned, as O_DIRECT wants
-        try:
-            _set_direct(self._fd, True)
-            self._batch = batch
-        except OSError:  # refused by file systems without it: the page cache then
-            batch.close()
 
     def write(self, *parts: bytes | memoryview) -> None:
         began = self._size
         try:
             for part in parts:
-                view = memoryview(part).cast("B")
-                if self._batch is not None:
-                    self._gather(view)
-                    continue
+                view = memoryview(part)
                 while view:
                     written = os.write(self._fd, view)
                     view = view[written:]
                     self._size += written
-            if self._batch is None:
-                system.start_writeback(self._fd, began, self._size - began)
+            system.start_writeback(self._fd, began, self._size - began)
         except OSError as exc:
             self.abort()
             raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
-
-    def _gather(self, view: memoryview) -> None:
-        batch = self._batch
-        assert batch is not None
-        while view:
-            take = min(len(view), DIRECT_BATCH - self._filled)
-            batch[self._filled : self._filled + take] = view[:take]
-            self._filled += take
-            self._size += take
-            view = view[take:]
-            if self._filled == DIRECT_BATCH:
-                self._write_batch(DIRECT_BATCH)
-
-    def _write_batch(self, length: int) -> None:
-        """Write the first ``length`` bytes of the buffer (whole blocks) at the end of the file."""
-        assert self._batch is not None
-        view = memoryview(self._batch)[:length]
-        try:
-            written = os.write(self._fd, view)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            # a file system that took O_DIRECT but refuses the write: through the page cache from now on
-            _set_direct(self._fd, False)
-            written = os.write(self._fd, view)
-        if written != length:  # a regular file writes short only when it cannot write more
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self._filled = 0
 
     def commit(self) -> None:
         if not self._open:
             raise StoreError(f"{self._name} was dropped before it was complete")
         self._open = False
         try:
-            try:
-                if self._batch is not None and self._filled:
-                    whole = -(-self._filled // DIRECT_BLOCK) * DIRECT_BLOCK
-                    self._batch[self._filled : whole] = bytes(whole - self._filled)
-                    self._write_batch(whole)
-                    os.ftruncate(self._fd, self._size)  # the padding off again
-            finally:
-                if self._batch is not None:
-                    self._batch.close()
-                    self._batch = None
-                os.close(self._fd)
+            os.close(self._fd)
             os.rename(self._tmp, self._path)
         except OSError as exc:
             self._tmp.unlink(missing_ok=True)
@@ -300,9 +230,6 @@ class _FileWriter:
     def abort(self) -> None:
         if self._open:
             self._open = False
-            if self._batch is not None:
-                self._batch.close()
-                self._batch = None
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._tmp.unlink(missing_ok=True)
