@@ -553,7 +553,9 @@ def render(
         "*Total* is how long the command took for its caller (for torpor: the round trip to the job's "
         "launcher, the dump, and the commit to the hot tier). torpor's *restore* includes fetching the "
         "image from the store, verifying every byte against its hash (the memory pages while CRIU reads "
-        "them; the job runs only once they passed), and starting a launcher that runs `criu restore`.",
+        "them; the job runs only once they passed), and starting a launcher that runs `criu restore`. "
+        "torpor is timed through its Python API, as the agent calls it: the `torpor` command adds the "
+        "start of its interpreter and the import of torpor (0.2-0.3 s on this machine).",
         "",
         "The machine has 2 cores and is a virtual one; page-cache writeback makes dumps "
         "to disk vary: ratios move between runs, so read the samples at the end before a single number.",
