@@ -6,7 +6,7 @@ each beginning where the last one ended). Fetching the chunks that follow pays o
 are read and verified on other cores before the daemon asks. After a fault it does not: the next fault is
 somewhere else, and its own chunk then waits behind the fetches ahead. Measured here (2 cores, 1 GiB
 image, cold tier): a fault on a chunk not yet fetched took 5-16 ms with 8 chunks fetched ahead after
-every request, 1 ms with none. Fetching, verifying and caching are the store's (:mod:`torpor.core.store.lazy`).
+every request, 1-3 ms with none. Fetching, verifying and caching are the store's (:mod:`torpor.core.store.lazy`).
 """
 
 from __future__ import annotations
