@@ -513,8 +513,9 @@ def ratio(a: Samples, b: Samples) -> str:
     return f"{a.median / b.median:.2f}×" if b.median else "-"
 
 
-def spread(samples: Samples) -> str:
-    return ", ".join(f"{v:.2f}" for v in samples.values)
+def spread(samples: Samples, digits: int = 2) -> str:
+    """Every sample, in the order taken, with ``digits`` decimals."""
+    return ", ".join(f"{v:.{digits}f}" for v in samples.values)
 
 
 def render(

@@ -56,6 +56,7 @@ from bench import (
     machine_table,
     raw_folder_in_hot_tier,
     rotate,
+    spread,
     workspace,
 )
 from benchdoc import DOC, median, publish, say
@@ -267,7 +268,7 @@ def bench_steadiness(engine: Engine, count: int) -> Steadiness:
         saved.unlink(missing_ok=True)
     for run in json.loads(out.stdout.strip().splitlines()[-1])["runs"]:
         result.save_s.add(run["save_s"])
-    say("  torch.save into /dev/shm: " + ", ".join(f"{v:.2f}" for v in result.save_s.values) + " s")
+    say("  torch.save into /dev/shm: " + spread(result.save_s) + " s")
     job = TorporJob(engine, "steady-train", [sys.executable, "-u", script, "serve", "--tick"])
     felt = Felt(lambda: engine.log_path(job.name))
     try:
@@ -292,9 +293,9 @@ def bench_steadiness(engine: Engine, count: int) -> Steadiness:
             engine.wait_durable(checkpoint_id)
         say(
             f"  felt without a checkpoint {result.quiet_s:.3f} s; spaced "
-            + ", ".join(f"{v:.3f}" for v in result.spaced.felt.values)
+            + spread(result.spaced.felt, 3)
             + " s; back to back "
-            + ", ".join(f"{v:.3f}" for v in result.back_to_back.felt.values)
+            + spread(result.back_to_back.felt, 3)
             + " s"
         )
     finally:
@@ -308,8 +309,10 @@ def render_steadiness(steady: Steadiness) -> list[str]:
     worst = max(felt)
     save = steady.save_s
     verdict = "met" if worst <= STEADY_BAR * middle else "not met"
-    rows = [("spaced (each after the last is durable)", steady.spaced)]
-    rows.append(("back to back (the last still being stored)", steady.back_to_back))
+    rows = [
+        ("spaced (each after the last is durable)", steady.spaced),
+        ("back to back (the last still being stored)", steady.back_to_back),
+    ]
     return [
         "### Steadiness: checkpoints of a training process (goal 5)",
         "",
@@ -350,13 +353,13 @@ def render_steadiness(steady: Steadiness) -> list[str]:
         "Nothing short of memory already written for every dump in flight would do, at that much RAM held "
         "idle; it is not built.",
         "",
-        "- felt, spaced: " + ", ".join(f"{v:.3f}" for v in steady.spaced.felt.values),
-        "- felt, back to back: " + ", ".join(f"{v:.3f}" for v in steady.back_to_back.felt.values),
+        "- felt, spaced: " + spread(steady.spaced.felt, 3),
+        "- felt, back to back: " + spread(steady.back_to_back.felt, 3),
         "- frozen (CRIU), spaced / back to back: "
-        + ", ".join(f"{v:.3f}" for v in steady.spaced.frozen.values)
+        + spread(steady.spaced.frozen, 3)
         + " / "
-        + ", ".join(f"{v:.3f}" for v in steady.back_to_back.frozen.values),
-        "- torch.save: " + ", ".join(f"{v:.3f}" for v in save.values),
+        + spread(steady.back_to_back.frozen, 3),
+        "- torch.save: " + spread(save, 3),
         "",
     ]
 
@@ -453,9 +456,9 @@ def render(
         for kind, side in r.sides():
             lines.append(
                 f"- {r.size / GIB:g} GiB, {KINDS[kind]}: frozen "
-                + ", ".join(f"{v:.3f}" for v in side.frozen.values)
+                + spread(side.frozen, 3)
                 + "; felt "
-                + ", ".join(f"{v:.3f}" for v in side.felt.values)
+                + spread(side.felt, 3)
             )
     return "\n".join(lines) + "\n"
 
