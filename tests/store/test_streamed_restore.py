@@ -10,6 +10,7 @@ the job never running) are in test_checkpoints.py, for both ways of restoring.
 from __future__ import annotations
 
 import array
+import contextlib
 import mmap
 import os
 import signal
@@ -130,13 +131,17 @@ def test_stop_returns_when_criu_never_came_and_a_second_stop_is_harmless(tmp_pat
 # -- the cold tier's file stream --------------------------------------------------------------------
 
 
-def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [4, 0], ids=["in a pool", "in the caller's thread"])
+def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(
+    tmp_path: Path, workers: int
+) -> None:
     backend: Backend = FolderBackend(tmp_path / "store")
     repo = Repository(backend)
     image = write_image(tmp_path / "img", {BASE: os.urandom(3 * MiB), BASE + 64 * MiB: bytes(2 * MiB)})
     repo.write("c", "job", image, {})
     entry = next(f for f in repo.manifest("c").files if is_bulk(f.name))
-    with ThreadPoolExecutor(4) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(workers)) if workers else None
         assert b"".join(repo.file_data("c", entry, pool)) == (image / entry.name).read_bytes()
         offset, _, chunk = entry.extents[1]
         assert chunk is not None and offset == MiB
@@ -146,6 +151,35 @@ def test_file_data_is_the_file_with_zeros_and_stops_before_a_damaged_chunk(tmp_p
             for piece in repo.file_data("c", entry, pool, ahead=3):
                 handed.append(bytes(piece))
     assert b"".join(handed) == (image / entry.name).read_bytes()[:MiB]  # nothing of the bad chunk
+
+
+def test_a_file_piped_from_the_callers_thread_is_the_file_and_ends_before_a_damaged_chunk(
+    tmp_path: Path,
+) -> None:
+    """As a local cold tier streams the pages to CRIU: no pool, each chunk verified in the pipe's buffer."""
+    repo = Repository(FolderBackend(tmp_path / "store"))
+    image = write_image(tmp_path / "img", {BASE: os.urandom(5 * MiB), BASE + 64 * MiB: bytes(3 * MiB)})
+    repo.write("c", "job", image, {})
+    entry = next(f for f in repo.manifest("c").files if is_bulk(f.name))
+    expected = (image / entry.name).read_bytes()
+    for damaged in (False, True):
+        if damaged:
+            offset, _, chunk = entry.extents[2]
+            assert chunk is not None and offset == 2 * MiB
+            flip_chunk_bit(repo, chunk, 100)
+        read_end, write_end = os.pipe()
+        got = bytearray()
+        reader = _slow_reader(read_end, got, 0)
+        try:
+            if damaged:
+                with pytest.raises(CorruptImage, match=f"{entry.name} at offset {2 * MiB}"):
+                    repo.pipe_file("c", entry, write_end, None)
+            else:
+                repo.pipe_file("c", entry, write_end, None)
+        finally:
+            os.close(write_end)
+            reader.join()
+        assert bytes(got) == (expected[: 2 * MiB] if damaged else expected)
 
 
 def test_chunk_into_puts_a_verified_chunk_on_a_page_boundary_of_the_buffer(tmp_path: Path) -> None:

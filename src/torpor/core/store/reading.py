@@ -99,18 +99,29 @@ def file_data(
     repo: Repository,
     checkpoint_id: str,
     entry: FileEntry,
-    pool: ThreadPoolExecutor,
+    pool: ThreadPoolExecutor | None,
     ahead: int = 8,
     buffers: Callable[[], memoryview] | None = None,
 ) -> Generator[bytes | memoryview, None, None]:
     """The content of one file of a checkpoint, front to back, every piece verified before it is yielded.
 
     Chunks are fetched and verified in ``pool``, at most ``ahead`` of them before the one being
-    yielded; zero extents come as pieces of :data:`ZEROS` (``piece.obj is ZEROS``), at most one chunk
-    size each. ``buffers``: where each chunk goes (:meth:`Repository.chunk_into`; one buffer asked for per chunk,
-    in order), instead of new memory. Raises CorruptImage at the first chunk that is missing or does
-    not match its hash.
+    yielded, or (``pool`` None) in the caller's thread, each when its turn comes; zero extents come as
+    pieces of :data:`ZEROS` (``piece.obj is ZEROS``), at most one chunk size each. ``buffers``: where
+    each chunk goes (:meth:`Repository.chunk_into`; one buffer asked for per chunk, in order), instead
+    of new memory. Raises CorruptImage at the first chunk that is missing or does not match its hash.
     """
+    if pool is None:
+        for offset, length, chunk in entry.extents:
+            if chunk is None:
+                yield from _zeros(length)
+            elif buffers is not None:
+                yield repo.chunk_into(
+                    checkpoint_id, chunk, length, buffers(), f"{entry.name} at offset {offset}"
+                )
+            else:
+                yield repo.chunk_data(checkpoint_id, chunk, length, True, f"{entry.name} at offset {offset}")
+        return
     pending: deque[tuple[int, Future[bytes | memoryview] | None]] = deque()
     extents = iter(entry.extents)
     try:
@@ -133,26 +144,37 @@ def file_data(
             if future is not None:
                 yield future.result()
                 continue
-            for at in range(0, length, len(ZEROS)):
-                yield memoryview(ZEROS)[: min(len(ZEROS), length - at)]
+            yield from _zeros(length)
     finally:
         for _, future in pending:
             if future is not None:
                 future.cancel()
 
 
+def _zeros(length: int) -> Generator[memoryview, None, None]:
+    """``length`` zero bytes, as pieces of :data:`ZEROS`."""
+    for at in range(0, length, len(ZEROS)):
+        yield memoryview(ZEROS)[: min(len(ZEROS), length - at)]
+
+
 def pipe_file(
-    repo: Repository, checkpoint_id: str, entry: FileEntry, fd: int, pool: ThreadPoolExecutor, ahead: int = 8
+    repo: Repository,
+    checkpoint_id: str,
+    entry: FileEntry,
+    fd: int,
+    pool: ThreadPoolExecutor | None,
+    ahead: int = 8,
 ) -> None:
     """Write one file of a checkpoint into the pipe ``fd`` (its write end), every chunk verified first.
 
-    Each chunk is read into a buffer of a :class:`PipeFeed` (``ahead`` of them at once, in ``pool``)
-    and verified there; the pipe then takes the buffer's pages by reference, so the reader copies
-    each byte once. Returns when the reader has read it all; raises CorruptImage (see
-    :func:`file_data`) with nothing of the bad chunk in the pipe.
+    Each chunk is read into a buffer of a :class:`PipeFeed` (``ahead`` of them at once, in ``pool``;
+    without one, in this thread while the reader empties the pipe) and verified there; the pipe then
+    takes the buffer's pages by reference, so the reader copies each byte once. Returns when the
+    reader has read it all; raises CorruptImage (see :func:`file_data`) with nothing of the bad chunk
+    in the pipe.
     """
     # a buffer holds a chunk from its second page on, and a page more for an encrypted one's header
-    feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=ahead + 1)
+    feed = PipeFeed(fd, repo.chunk_size + 2 * mmap.PAGESIZE, spare=ahead + 1 if pool is not None else 1)
     for piece in file_data(repo, checkpoint_id, entry, pool, ahead, feed.buffer):
         if isinstance(piece, memoryview) and piece.obj is ZEROS:
             feed.put_zeros(len(piece))

@@ -531,9 +531,11 @@ class _ColdPages:
     """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written.
 
     Each chunk is read into a buffer of the pipe and verified there (:meth:`Repository.pipe_file`);
-    CRIU copies it out once, straight into the process. From a local folder one thread reads ahead
-    while the writer feeds the pipe (CRIU has the other core; more readers only contend for it); a
-    remote backend is read by ``store_workers`` at once.
+    CRIU copies it out once, straight into the process. From a local folder the writer reads and
+    verifies each chunk itself while CRIU empties the pipe. A thread reading ahead and handing the
+    chunks over cost ~30 % more CPU, and a restore pays for it: CRIU runs on the other core of two,
+    and slows down when this one is busy (measured in docs/benchmarks.md). A remote backend is read
+    by ``store_workers`` at once.
     """
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
@@ -542,8 +544,10 @@ class _ColdPages:
         self._manifest = manifest
         self._entries = {entry.name: entry for entry in manifest.files if is_bulk(entry.name)}
         self.names = frozenset(self._entries)
-        workers = max(1, store.settings.store_workers) if self._repo.backend.remote else 1
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="stream")
+        workers = max(1, store.settings.store_workers)
+        self._pool = (
+            ThreadPoolExecutor(workers, thread_name_prefix="stream") if self._repo.backend.remote else None
+        )
         self._ahead = max(4, 2 * workers)
 
     def write(self, name: str, fd: int) -> None:
@@ -553,4 +557,5 @@ class _ColdPages:
             raise self._store._with_hint(exc, self._manifest.id) from exc
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
