@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from torpor.adapters import system
 from torpor.adapters.folder import FolderBackend
 from torpor.core.store.backend import Backend
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
@@ -134,6 +135,33 @@ def flip_chunk_bit(repo: Repository, chunk: str, at: int | None = None, mask: in
 def drop_chunk(repo: Repository, chunk: str) -> None:
     """Delete the object holding ``chunk`` (its whole pack)."""
     repo.backend.delete(repo.locate(chunk)[0])
+
+
+def evict_from_memory(root: Path) -> bool:
+    """Write every file under ``root`` to disk and drop it from the page cache; False where the file
+    system keeps files in memory only (tmpfs), so that nothing could be dropped.
+
+    A page another CPU touched last may sit in that CPU's list for a moment, where ``DONTNEED`` cannot
+    drop it: it is asked again until ``mincore`` finds no page of the file in memory (a read, even one
+    that must not wait, would start reading the file again).
+    """
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(root)], capture_output=True, text=True, check=True)
+    if kind.stdout.strip() in ("tmpfs", "ramfs"):
+        return False
+    for path in (p for p in root.rglob("*") if p.is_file() and p.stat().st_size):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            for _ in range(100):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if not system.cached_pages(fd)[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError(f"{path} stays in the page cache")
+        finally:
+            os.close(fd)
+    return True
 
 
 def same_files(a: Path, b: Path) -> bool:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from torpor.adapters.folder import FolderBackend
 from torpor.core.store.backend import Backend
 from torpor.errors import ObjectNotFound
+
+from .conftest import evict_from_memory
 
 
 def test_store_then_load_gives_the_bytes_back(backend: Backend) -> None:
@@ -70,6 +75,25 @@ def test_missing_objects(backend: Backend) -> None:
         backend.load("manifests/nope")
     assert not backend.exists("manifests/nope")
     backend.delete("manifests/nope")  # not an error
+
+
+def test_in_memory_is_a_yes_or_no_that_never_fails(backend: Backend) -> None:
+    backend.store("packs/aa/x", b"y" * 10_000)
+    assert backend.in_memory("packs/aa/nope", 0, 10) is False
+    assert backend.in_memory("packs/aa/x", 0, 10_000) is (not backend.remote)  # a folder: just written
+    assert backend.in_memory("packs/aa/x", 50_000, 10) is False  # past the end: nothing to read
+    assert backend.in_memory("../escape", 0, 10) is False
+
+
+def test_a_folder_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path: Path) -> None:
+    backend = FolderBackend(tmp_path / "store")
+    backend.store("packs/aa/x", os.urandom(1 << 20))
+    assert backend.in_memory("packs/aa/x", 0, 1 << 20)
+    if not evict_from_memory(tmp_path / "store"):
+        pytest.skip(f"{tmp_path} is a file system in memory")
+    assert not backend.in_memory("packs/aa/x", 0, 1 << 20)
+    backend.load("packs/aa/x")
+    assert backend.in_memory("packs/aa/x", 0, 1 << 20)
 
 
 def test_delete(backend: Backend) -> None:

@@ -28,13 +28,15 @@ from torpor.adapters.criu import Criu
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.imagestreamer import SOCKET_NAME, ImageStreamer, Writer
 from torpor.adapters.pipefeed import PipeFeed
+from torpor.core.store import TieredStore
 from torpor.core.store.backend import Backend
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import FileEntry
 from torpor.core.store.repository import Repository
 from torpor.errors import CorruptImage
+from torpor.settings import Settings
 
-from .conftest import flip_chunk_bit, write_image
+from .conftest import evict_from_memory, flip_chunk_bit, write_image
 from .test_lazy_pageserver import CRIU, digests, hibernated_job
 
 MiB = 1 << 20
@@ -180,6 +182,51 @@ def test_a_file_piped_from_the_callers_thread_is_the_file_and_ends_before_a_dama
             os.close(write_end)
             reader.join()
         assert bytes(got) == (expected[: 2 * MiB] if damaged else expected)
+
+
+def test_the_cold_tier_streams_pages_in_memory_from_its_own_thread_and_loads_pages_on_disk_ahead(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TieredStore(settings)
+    data = os.urandom(6 * MiB)
+    staging = store.staging_dir("c1")
+    write_image(staging, {BASE: data})
+    expected = (staging / "pages-1.img").read_bytes()
+    store.put("c1", "job", staging, {})
+    store.wait_durable("c1", timeout=60)
+    store.hot.remove("c1")
+    pools: list[ThreadPoolExecutor | None] = []
+    pipe_file = Repository.pipe_file
+
+    def spy(
+        repo: Repository,
+        checkpoint_id: str,
+        entry: FileEntry,
+        fd: int,
+        pool: ThreadPoolExecutor | None,
+        ahead: int = 8,
+    ) -> None:
+        pools.append(pool)
+        pipe_file(repo, checkpoint_id, entry, fd, pool, ahead)
+
+    monkeypatch.setattr(Repository, "pipe_file", spy)
+    pages = store.stream_pages("c1", tmp_path / "restore")
+    try:
+        for evict in (False, True):
+            if evict and not evict_from_memory(settings.home):
+                pytest.skip(f"{settings.home} is a file system in memory")
+            read_end, write_end = os.pipe()
+            got = bytearray()
+            reader = _slow_reader(read_end, got, 0)
+            try:
+                pages.write("pages-1.img", write_end)
+            finally:
+                os.close(write_end)
+                reader.join()
+            assert bytes(got) == expected
+            assert (pools[-1] is not None) is evict  # on disk: a thread loads the chunks ahead
+    finally:
+        pages.close()
 
 
 def test_chunk_into_puts_a_verified_chunk_on_a_page_boundary_of_the_buffer(tmp_path: Path) -> None:

@@ -103,6 +103,20 @@ class FolderBackend:
         finally:
             os.close(fd)
 
+    def in_memory(self, name: str, offset: int, length: int) -> bool:
+        """Whether every page of the range is in the page cache (``mincore``: asking reads nothing)."""
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY)
+        except (OSError, ValueError):  # missing, or a bad name
+            return False
+        try:
+            cached, pages = system.cached_pages(fd, offset, length)
+            return pages > 0 and cached == pages
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
 

@@ -180,6 +180,40 @@ def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
     _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), SYNC_FILE_RANGE_WRITE)
 
 
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def cached_pages(fd: int, offset: int = 0, length: int = -1) -> tuple[int, int]:
+    """(pages in the page cache, pages) of ``length`` bytes of the file ``fd`` from ``offset`` (-1: to
+    its end), clipped to the file: ``mincore`` of a mapping that is never touched, so nothing is read."""
+    size = os.fstat(fd).st_size
+    start = offset // _PAGE * _PAGE
+    end = size if length < 0 else min(size, offset + length)
+    if end <= start:
+        return 0, 0
+    address = _libc.mmap(None, end - start, 1, 1, fd, start)  # PROT_READ, MAP_SHARED
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    try:
+        vector = (ctypes.c_ubyte * (-(-(end - start) // _PAGE)))()
+        _check(_libc.mincore(address, end - start, vector), "mincore")
+        return sum(byte & 1 for byte in vector), len(vector)
+    finally:
+        _libc.munmap(address, end - start)
+
+
 def syncfs(path: Path) -> None:
     """Make everything written to the file system holding ``path`` durable (one journal commit)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import uuid
+from collections.abc import Sequence
 
 from torpor.core.store import gc as _gc
 from torpor.core.store import prestore as _prestore
@@ -211,6 +212,17 @@ class Repository:
                 if where is not None:
                     return self.backend.load_into(where[0], buffer, where[1], where[2])
         return self.backend.load_into(chunk_name(chunk), buffer)  # one object per chunk (format 1)
+
+    def in_memory(self, chunks: Sequence[str], probes: int = 8) -> bool:
+        """Whether ``chunks`` can be loaded without waiting for a disk or a network, judged by ``probes``
+        of them spread evenly (``Backend.in_memory``); False for chunks the store does not have."""
+        self.open()
+        step = max(1, -(-len(chunks) // max(1, probes)))
+        for chunk in [*chunks[::step], *chunks[-1:]]:
+            where = self.chunks.get(chunk)
+            if where is None or not self.backend.in_memory(*where):
+                return False
+        return True
 
     def locate(self, chunk: str) -> Location:
         """Where ``chunk``'s stored object lies, as the indexes say (a format 1 object if none names it)."""

@@ -531,11 +531,12 @@ class _ColdPages:
     """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written.
 
     Each chunk is read into a buffer of the pipe and verified there (:meth:`Repository.pipe_file`);
-    CRIU copies it out once, straight into the process. From a local folder the writer reads and
-    verifies each chunk itself while CRIU empties the pipe. A thread reading ahead and handing the
-    chunks over cost ~30 % more CPU, and a restore pays for it: CRIU runs on the other core of two,
-    and slows down when this one is busy (measured in docs/benchmarks.md). A remote backend is read
-    by ``store_workers`` at once.
+    CRIU copies it out once, straight into the process. Chunks already in memory (the page cache of a
+    local folder, as right after a hibernation) are read and verified by the writer itself while CRIU
+    empties the pipe: a thread loading them ahead and handing them over cost ~30 % more CPU, and CRIU,
+    on the other core of two, slows down when this one is busy (docs/benchmarks.md). Chunks that must
+    come from a disk are loaded ahead by one thread, so that the wait for the disk overlaps with the
+    rest; a remote backend's by ``store_workers`` at once.
     """
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
@@ -544,18 +545,17 @@ class _ColdPages:
         self._manifest = manifest
         self._entries = {entry.name: entry for entry in manifest.files if is_bulk(entry.name)}
         self.names = frozenset(self._entries)
-        workers = max(1, store.settings.store_workers)
-        self._pool = (
-            ThreadPoolExecutor(workers, thread_name_prefix="stream") if self._repo.backend.remote else None
-        )
+        workers = max(1, store.settings.store_workers) if self._repo.backend.remote else 1
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="stream")  # its threads start on use
         self._ahead = max(4, 2 * workers)
 
     def write(self, name: str, fd: int) -> None:
+        entry = self._entries[name]
+        in_memory = self._repo.in_memory([chunk for _, _, chunk in entry.extents if chunk is not None])
         try:
-            self._repo.pipe_file(self._manifest.id, self._entries[name], fd, self._pool, self._ahead)
+            self._repo.pipe_file(self._manifest.id, entry, fd, None if in_memory else self._pool, self._ahead)
         except CorruptImage as exc:
             raise self._store._with_hint(exc, self._manifest.id) from exc
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
