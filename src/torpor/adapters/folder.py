@@ -103,17 +103,17 @@ class FolderBackend:
         finally:
             os.close(fd)
 
-    def in_memory(self, name: str, offset: int, length: int) -> bool:
-        """Whether every page of the range is in the page cache (``mincore``: asking reads nothing)."""
+    def in_memory(self, name: str, offset: int, length: int) -> float:
+        """The share of the range's pages in the page cache (``mincore``: asking reads nothing)."""
         try:
             fd = os.open(self._path(name), os.O_RDONLY)
         except (OSError, ValueError):  # missing, or a bad name
-            return False
+            return 0.0
         try:
             cached, pages = system.cached_pages(fd, offset, length)
-            return pages > 0 and cached == pages
+            return cached / pages if pages else 0.0
         except OSError:
-            return False
+            return 0.0
         finally:
             os.close(fd)
 

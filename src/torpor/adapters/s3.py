@@ -90,9 +90,9 @@ class S3Backend:
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
             raise self._error(exc, name) from exc
 
-    def in_memory(self, name: str, offset: int, length: int) -> bool:
-        """Never: each load is a round trip."""
-        return False
+    def in_memory(self, name: str, offset: int, length: int) -> float:
+        """None of them: each load is a round trip."""
+        return 0.0
 
     def load_into(self, name: str, buffer: memoryview, offset: int = 0, length: int = -1) -> bytes:
         """New bytes always: boto3 reads a body into memory of its own. A range is one ranged GET."""

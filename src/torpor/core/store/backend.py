@@ -58,9 +58,9 @@ class Backend(Protocol):
         """``length`` bytes of object ``name`` from ``offset`` (-1: to its end): the front of ``buffer``
         if they were read into it, else new bytes; fewer where the object ends sooner."""
 
-    def in_memory(self, name: str, offset: int, length: int) -> bool:
-        """Whether loading these bytes of object ``name`` would wait for no disk or network (a folder's
-        file in the page cache); False when unsure. Never fails."""
+    def in_memory(self, name: str, offset: int, length: int) -> float:
+        """The share of these bytes of object ``name`` that a load would get without waiting for a disk
+        or a network (a folder's file in the page cache): 0.0 to 1.0, 0.0 when unsure. Never fails."""
 
     def writer(self, name: str) -> ObjectWriter:
         """A new object ``name``, written in parts; it exists once :meth:`ObjectWriter.commit` returns."""

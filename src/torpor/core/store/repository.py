@@ -213,16 +213,20 @@ class Repository:
                     return self.backend.load_into(where[0], buffer, where[1], where[2])
         return self.backend.load_into(chunk_name(chunk), buffer)  # one object per chunk (format 1)
 
-    def in_memory(self, chunks: Sequence[str], probes: int = 8) -> bool:
-        """Whether ``chunks`` can be loaded without waiting for a disk or a network, judged by ``probes``
-        of them spread evenly (``Backend.in_memory``); False for chunks the store does not have."""
+    def in_memory(self, chunks: Sequence[str], probes: int = 8) -> float:
+        """The share of ``chunks`` a load would get without waiting for a disk or a network, judged by
+        ``probes`` of them spread evenly (``Backend.in_memory``; a chunk the store lacks counts as 0)."""
         self.open()
         step = max(1, -(-len(chunks) // max(1, probes)))
-        for chunk in [*chunks[::step], *chunks[-1:]]:
+        sample = [*chunks[::step], *chunks[-1:]]
+        shares = []
+        for chunk in sample:
             where = self.chunks.get(chunk)
-            if where is None or not self.backend.in_memory(*where):
-                return False
-        return True
+            if where is None:
+                self.chunks.refresh()  # an index stored since this looked (the destager's)
+                where = self.chunks.get(chunk)
+            shares.append(0.0 if where is None else self.backend.in_memory(*where))
+        return sum(shares) / len(shares) if shares else 1.0
 
     def locate(self, chunk: str) -> Location:
         """Where ``chunk``'s stored object lies, as the indexes say (a format 1 object if none names it)."""
