@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ipaddress
+import mmap
 import os
 import pwd
 import re
@@ -202,7 +203,7 @@ def cached_pages(fd: int, offset: int = 0, length: int = -1) -> tuple[int, int]:
     end = size if length < 0 else min(size, offset + length)
     if end <= start:
         return 0, 0
-    address = _libc.mmap(None, end - start, 1, 1, fd, start)  # PROT_READ, MAP_SHARED
+    address = _libc.mmap(None, end - start, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if address in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap: {os.strerror(err)}")

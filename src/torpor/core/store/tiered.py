@@ -49,6 +49,7 @@ from torpor.core.store.objects import KIND_CHUNK, read_key_file
 from torpor.core.store.repository import Repository
 from torpor.core.store.verify import verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError, TorporError
+from torpor.policy import readahead
 from torpor.settings import Settings
 
 LOCK_FILE = "destager.lock"
@@ -527,21 +528,14 @@ class TieredStore:
         return GcResult(report.manifests, report.chunks_kept, report.chunks_deleted)
 
 
-#: the share of a pages file in memory from which a streamed restore reads it without a thread ahead
-#: (right after a hibernation, 0-15 % of the chunks here missed a page or three at their ends)
-IN_MEMORY = 0.9
-
-
 class _ColdPages:
     """The memory pages of a checkpoint in the cold tier, fetched and verified chunk by chunk as written.
 
     Each chunk is read into a buffer of the pipe and verified there (:meth:`Repository.pipe_file`);
     CRIU copies it out once, straight into the process. Chunks already in memory (the page cache of a
-    local folder, as right after a hibernation) are read and verified by the writer itself while CRIU
-    empties the pipe: a thread loading them ahead and handing them over cost ~30 % more CPU, and CRIU,
-    on the other core of two, slows down when this one is busy (docs/benchmarks.md). Chunks that must
-    come from a disk are loaded ahead by one thread, so that the wait for the disk overlaps with the
-    rest; a remote backend's by ``store_workers`` at once.
+    local folder, as right after a hibernation) are read and verified by the writer itself, in turn;
+    chunks on disk are loaded ahead by one thread, a remote backend's by ``store_workers`` at once
+    (:func:`torpor.policy.readahead.loads_ahead` says which).
     """
 
     def __init__(self, store: TieredStore, manifest: Manifest) -> None:
@@ -557,7 +551,7 @@ class _ColdPages:
     def write(self, name: str, fd: int) -> None:
         entry = self._entries[name]
         in_memory = self._repo.in_memory([chunk for _, _, chunk in entry.extents if chunk is not None])
-        pool = None if in_memory >= IN_MEMORY else self._pool
+        pool = self._pool if readahead.loads_ahead(in_memory) else None
         try:
             self._repo.pipe_file(self._manifest.id, entry, fd, pool, self._ahead)
         except CorruptImage as exc:
