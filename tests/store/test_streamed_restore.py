@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,16 +199,9 @@ def test_the_cold_tier_streams_pages_in_memory_from_its_own_thread_and_loads_pag
     pools: list[ThreadPoolExecutor | None] = []
     pipe_file = Repository.pipe_file
 
-    def spy(
-        repo: Repository,
-        checkpoint_id: str,
-        entry: FileEntry,
-        fd: int,
-        pool: ThreadPoolExecutor | None,
-        ahead: int = 8,
-    ) -> None:
-        pools.append(pool)
-        pipe_file(repo, checkpoint_id, entry, fd, pool, ahead)
+    def spy(*args: Any) -> None:  # (repo, checkpoint_id, entry, fd, pool, ahead)
+        pools.append(args[4])
+        pipe_file(*args)
 
     monkeypatch.setattr(Repository, "pipe_file", spy)
     pages = store.stream_pages("c1", tmp_path / "restore")
