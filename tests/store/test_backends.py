@@ -77,7 +77,7 @@ def test_missing_objects(backend: Backend) -> None:
     backend.delete("manifests/nope")  # not an error
 
 
-def test_in_memory_is_a_yes_or_no_that_never_fails(backend: Backend) -> None:
+def test_in_memory_is_a_share_that_never_fails(backend: Backend) -> None:
     backend.store("packs/aa/x", b"y" * 10_000)
     assert backend.in_memory("packs/aa/nope", 0, 10) == 0.0
     assert backend.in_memory("packs/aa/x", 0, 10_000) == (0.0 if backend.remote else 1.0)  # just written
