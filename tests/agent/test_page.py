@@ -360,4 +360,9 @@ def test_the_agent_serves_its_page_and_metrics_over_tcp_to_whoever_has_the_token
         browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {}})
     scraped = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {secret}"})
     assert scraped.status_code == 200
-    assert 'torpor_jobs{state="running"} 1.0' in scraped.text
+
+    def counted_running() -> bool:  # checkpointed every second, the job is now and then "checkpointing"
+        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {secret}"}).text
+        return 'torpor_jobs{state="running"} 1.0' in text
+
+    torpor.wait_for(counted_running, 20, "the metrics to count job gamma as running")
