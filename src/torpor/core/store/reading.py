@@ -111,16 +111,19 @@ def file_data(
     each chunk goes (:meth:`Repository.chunk_into`; one buffer asked for per chunk, in order), instead
     of new memory. Raises CorruptImage at the first chunk that is missing or does not match its hash.
     """
+
+    def load(offset: int, length: int, chunk: str, buffer: memoryview | None) -> bytes | memoryview:
+        place = f"{entry.name} at offset {offset}"
+        if buffer is None:
+            return repo.chunk_data(checkpoint_id, chunk, length, True, place)
+        return repo.chunk_into(checkpoint_id, chunk, length, buffer, place)
+
     if pool is None:
         for offset, length, chunk in entry.extents:
             if chunk is None:
                 yield from _zeros(length)
-            elif buffers is not None:
-                yield repo.chunk_into(
-                    checkpoint_id, chunk, length, buffers(), f"{entry.name} at offset {offset}"
-                )
             else:
-                yield repo.chunk_data(checkpoint_id, chunk, length, True, f"{entry.name} at offset {offset}")
+                yield load(offset, length, chunk, buffers() if buffers is not None else None)
         return
     pending: deque[tuple[int, Future[bytes | memoryview] | None]] = deque()
     extents = iter(entry.extents)
@@ -131,12 +134,11 @@ def file_data(
                 if extent is None:
                     break
                 offset, length, chunk = extent
-                place = f"{entry.name} at offset {offset}"
                 future: Future[bytes | memoryview] | None = None
-                if chunk is not None and buffers is not None:
-                    future = pool.submit(repo.chunk_into, checkpoint_id, chunk, length, buffers(), place)
-                elif chunk is not None:
-                    future = pool.submit(repo.chunk_data, checkpoint_id, chunk, length, True, place)
+                if chunk is not None:  # each buffer asked for here, in order, as the chunks come
+                    future = pool.submit(
+                        load, offset, length, chunk, buffers() if buffers is not None else None
+                    )
                 pending.append((length, future))
             if not pending:
                 return

@@ -199,10 +199,7 @@ class Repository:
         Raises ObjectNotFound when the store does not have it.
         """
         self.open()
-        where = self.chunks.get(chunk)
-        if where is None:
-            self.chunks.refresh()  # an index stored since this looked
-            where = self.chunks.get(chunk)
+        where = self._where(chunk)
         if where is not None:
             try:
                 return self.backend.load_into(where[0], buffer, where[1], where[2])
@@ -219,14 +216,20 @@ class Repository:
         self.open()
         step = max(1, -(-len(chunks) // max(1, probes)))
         sample = [*chunks[::step], *chunks[-1:]]
-        shares = []
-        for chunk in sample:
-            where = self.chunks.get(chunk)
-            if where is None:
-                self.chunks.refresh()  # an index stored since this looked (the destager's)
-                where = self.chunks.get(chunk)
-            shares.append(0.0 if where is None else self.backend.in_memory(*where))
+        shares = [
+            0.0 if (where := self._where(chunk)) is None else self.backend.in_memory(*where)
+            for chunk in sample
+        ]
         return sum(shares) / len(shares) if shares else 1.0
+
+    def _where(self, chunk: str) -> Location | None:
+        """Where the packs' indexes put ``chunk``, looking again once if they do not (an index stored since
+        this looked, such as the destager's); None for a chunk no index names."""
+        where = self.chunks.get(chunk)
+        if where is None:
+            self.chunks.refresh()
+            where = self.chunks.get(chunk)
+        return where
 
     def locate(self, chunk: str) -> Location:
         """Where ``chunk``'s stored object lies, as the indexes say (a format 1 object if none names it)."""
