@@ -61,6 +61,10 @@ class Settings:
     #: restore from the cold tier by streaming the memory pages into ``criu restore --stream`` (no copy
     #: into RAM first); off: the whole image is written into a restore folder, then CRIU reads it
     stream_restore: bool = True
+    #: dump through ``criu dump --stream``: CRIU hands the pages to torpor by reference and torpor copies
+    #: them into memory set aside before the freeze (the job is frozen about half as long here); off:
+    #: CRIU writes every image file itself
+    stream_dump: bool = True
     #: keep the CPUs out of slow idle states while CRIU dumps or restores (a PM QoS request of 0 µs on
     #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.cpu_wakeups_held`); off: leave them be
     hold_cpu_wakeups: bool = True
@@ -157,6 +161,7 @@ class Settings:
             store_env={name: env[name] for name in STORE_VARIABLES.values() if env.get(name)},
             store_workers=_env_int("TORPOR_STORE_WORKERS", 4, least=1),
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
+            stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
         )
 

@@ -13,7 +13,7 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,12 +238,7 @@ class RestoreGate:
     @staticmethod
     def install(script: Path) -> Path:
         """Write :data:`GATE_SCRIPT` to ``script`` (an executable file), unless it is there already."""
-        if not script.is_file() or script.read_text() != GATE_SCRIPT:
-            tmp = script.with_name(f".{script.name}.{os.getpid()}.tmp")
-            system.write_private(tmp, GATE_SCRIPT.encode())
-            tmp.chmod(0o700)  # CRIU runs it as torpor's user
-            os.replace(tmp, script)
-        return script
+        return system.install_script(script, GATE_SCRIPT)
 
     def env(self) -> dict[str, str]:
         return {"TORPOR_GATE_VERDICT": str(self.verdict), "TORPOR_GATE_PID": str(self.writer_pid)}
@@ -264,6 +259,14 @@ class RestoreGate:
             return self.verdict.read_text().strip() or "no verdict"
         except OSError:
             return "no verdict: the verifying process is gone"
+
+
+@dataclass(frozen=True)
+class StreamedDump:
+    """How CRIU streams a dump to torpor: the action script it runs at each step, and its environment."""
+
+    script: Path
+    env: Mapping[str, str]
 
 
 #: what ``criu --version`` said, by (path, inode, mtime, size) of the binary
@@ -460,9 +463,15 @@ class Criu:
         extra: tuple[str, ...] = (),
         external_unix: Sequence[int] = (),
         tcp: bool = True,
+        stream: StreamedDump | None = None,
     ) -> DumpStats:
         """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt (``tcp``: see
         :meth:`dump_command`).
+
+        ``stream``: every image file goes to an image capture listening in ``images_dir``
+        (:class:`torpor.adapters.imagestreamer.ImageCapture`), not into a file CRIU writes, and CRIU runs
+        the stream's action script. CRIU then runs in ``images_dir`` with ``--images-dir .`` (a socket
+        path holds at most 107 bytes); it still writes its ``stats-dump`` there itself.
 
         CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1). Whether a
         failed dump is tried again is the caller's to decide (:func:`torpor.core.checkpoint.dump`).
@@ -470,14 +479,22 @@ class Criu:
         self.require()
         args = self.dump_command(
             pid,
-            images_dir,
+            Path(".") if stream else images_dir,
             log_path,
             leave_running=leave_running,
             extra=extra,
             external_unix=external_unix,
             tcp=tcp,
         )[1:]
-        out = self._run(args, timeout=6 * 3600, abandon_if=lambda: not Path(f"/proc/{pid}").exists())
+        if stream is not None:
+            args += ["--stream", "--action-script", str(stream.script)]
+        out = self._run(
+            args,
+            timeout=6 * 3600,
+            abandon_if=lambda: not Path(f"/proc/{pid}").exists(),
+            env=None if stream is None else dict(stream.env),
+            cwd=None if stream is None else images_dir,
+        )
         if out.returncode != 0:
             raise dump_failure(pid, images_dir, log_path, out.returncode, out.stderr or out.stdout)
         return read_dump_stats(images_dir)

@@ -1,28 +1,39 @@
-"""Serve an image to ``criu restore --stream``: CRIU reads every image file through a pipe torpor fills.
+"""CRIU's image-streamer protocol, both ways: serve an image to ``criu restore --stream``
+(:class:`ImageStreamer`), and take one from ``criu dump --stream`` (:class:`ImageCapture`).
 
-With ``--stream`` CRIU opens no image file itself. It connects to ``<images-dir>/streamer-serve.sock``
-and, for each file it wants, sends a request and reads the answer (``criu/img-streamer.c``):
+With ``--stream`` CRIU opens no image file itself. It connects to a socket in its ``--images-dir``
+(``streamer-serve.sock`` to restore, ``streamer-capture.sock`` to dump) and, for each file, sends a
+request (``criu/img-streamer.c``):
 
 - request: ``u32`` length (little-endian), then protobuf ``img_streamer_request_entry``
   ``{required string filename = 1}``;
-- answer: ``u32`` length, then ``img_streamer_reply_entry`` ``{required bool exists = 1}``;
-- if the file exists, CRIU sends the write end of a new pipe (``SCM_RIGHTS``, one byte of data) and
-  reads the file from the read end until end of file, front to back, with no seeking.
+- restore only, an answer: ``u32`` length, then ``img_streamer_reply_entry`` ``{required bool exists = 1}``;
+- if the file exists (a dump: always), CRIU sends one end of a new pipe (``SCM_RIGHTS``, one byte of
+  data) and reads the file from the other end until end of file, or writes it there and closes it, front
+  to back, with no seeking.
 
 CRIU puts the socket's path together from ``--images-dir``, and a socket path holds at most 107 bytes:
-:meth:`Criu.restore <torpor.adapters.criu.Criu.restore>` therefore runs a streamed restore inside the
-folder with ``--images-dir .``, and the streamer binds through ``/proc/self/fd``.
+:class:`~torpor.adapters.criu.Criu` therefore runs a streamed dump or restore inside the folder with
+``--images-dir .``, and the streamer binds through ``/proc/self/fd``.
 
-Confirmed against CRIU 4.2.1: a restore asks for each file once, in the order it restores, and asks for
-files an image may lack (``memfd.img``, ``tty-info.img``…), to which the answer is "no". It keeps the
-connection open until the tree runs, then closes it. A file cut short makes CRIU fail (it reads exactly
-the pages its pagemap lists), so a writer that meets bad data stops writing and the restore fails: no
-byte that was not handed over whole can end up in the tree.
+Confirmed against CRIU 4.2.1, restoring: a restore asks for each file once, in the order it restores,
+and asks for files an image may lack (``memfd.img``, ``tty-info.img``…), to which the answer is "no". It
+keeps the connection open until the tree runs, then closes it. A file cut short makes CRIU fail (it
+reads exactly the pages its pagemap lists), so a writer that meets bad data stops writing and the
+restore fails: no byte that was not handed over whole can end up in the tree.
 
 :class:`ImageStreamer` answers from a folder (the files in it, spliced into the pipe without a copy)
 plus named writers for files that are not in the folder (the memory pages, written as the store
 fetches and verifies them). Each file is written by its own thread, since CRIU may hold several files
 open and read them in turns (a pagemap and its pages).
+
+Confirmed against CRIU 4.2.1, dumping (:class:`ImageCapture`): a dump sends each file once; it opens a
+process's ``pagemap-PID.img`` (PID as the job's PID namespace numbers it) right before that process's
+``pages-N.img``, and holds both open at once; ``stats-dump`` it writes into the folder itself, after the
+tree runs again. The pages reach the pipe by reference (``splice`` of the pipe its parasite filled with
+``vmsplice``): until torpor has read them they are the job's own memory, so the job must stay frozen
+until then. CRIU runs its ``post-dump`` action script with every file closed and the tree still frozen;
+:data:`CAPTURE_SCRIPT` waits there until torpor says every pipe was read to its end.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import select
 import socket
 import struct
@@ -40,16 +52,19 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from torpor.adapters import system
 from torpor.adapters.criuimage import fields
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "streamer-serve.sock"
+CAPTURE_SOCKET_NAME = "streamer-capture.sock"
 _LENGTH = struct.Struct("<I")
 _F_SETPIPE_SZ = 1031
 #: the pipe's size (the default is 64 KiB): restoring 1 GiB here was fastest with 1 MiB; 64 KiB, 256 KiB
 #: and 8 MiB were all slower
 PIPE_BYTES = 1 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 #: writes one file's content into a pipe (the fd; the caller closes it)
 Writer = Callable[[int], None]
@@ -78,19 +93,7 @@ class ImageStreamer:
             return self._errors[0] if self._errors else None
 
     def start(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        folder = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)
-        try:
-            self.path.unlink(missing_ok=True)
-            # through the folder's fd: a socket path holds at most 107 bytes, a restore folder may not
-            listener.bind(f"/proc/self/fd/{folder}/{SOCKET_NAME}")
-            listener.listen(1)
-        except OSError:
-            listener.close()
-            raise
-        finally:
-            os.close(folder)
-        self._listener = listener
+        self._listener = _listen(self.folder, SOCKET_NAME)
         thread = threading.Thread(target=self._serve, name="image-streamer", daemon=True)
         self._threads.append(thread)
         thread.start()
@@ -132,7 +135,7 @@ class ImageStreamer:
         try:
             with conn:
                 while True:
-                    name = self._request(conn)
+                    name = _request(conn)
                     if name is None:
                         return  # CRIU is done (or gone)
                     writer = self._writer(name)
@@ -171,20 +174,283 @@ class ImageStreamer:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _request(conn: socket.socket) -> str | None:
-        head = _read_exactly(conn, _LENGTH.size)
-        if head is None:
-            return None
-        (length,) = _LENGTH.unpack(head)
-        body = _read_exactly(conn, length)
-        if body is None:
-            return None
+
+#: CRIU runs this at each step of a streamed dump (``--action-script``). At ``post-dump`` every image file
+#: is closed and the tree is still frozen: it asks torpor (a line into the FIFO ``$TORPOR_CAPTURE_ASK``,
+#: opened read-write so that it never blocks) whether every pipe was read to its end, and waits for the
+#: answer. Any answer but ``complete``, or the death of the process that captures (``$TORPOR_CAPTURE_PID``),
+#: makes CRIU fail the dump and let the tree run on as it was.
+CAPTURE_SCRIPT = """#!/bin/sh
+# torpor: keep a dumped tree frozen until torpor has read its pages (written by torpor; see adapters/imagestreamer.py)
+[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0
+echo ask 1<>"$TORPOR_CAPTURE_ASK"
+while [ ! -e "$TORPOR_CAPTURE_VERDICT" ]; do
+    kill -0 "$TORPOR_CAPTURE_PID" 2>/dev/null || [ -e "$TORPOR_CAPTURE_VERDICT" ] || exit 1
+    sleep 0.001
+done
+read -r verdict < "$TORPOR_CAPTURE_VERDICT"
+[ "$verdict" = complete ]
+"""
+#: torpor's own files in a capture's folder (dot files: the store leaves them out of the image)
+ASK_NAME = ".capture-ask"
+VERDICT_NAME = ".capture-verdict"
+RESERVE_PREFIX = ".reserve-"
+_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
+_PAGES = re.compile(r"pages-\d+\.img")
+#: at ``post-dump`` at most a pipe's worth (:data:`PIPE_BYTES`) of each file is left to read: far less
+#: than this takes, unless something is wrong (then the dump fails and the job runs on)
+DRAIN_TIMEOUT_S = 30.0
+
+
+class ImageCapture:
+    """Takes one ``criu dump --stream`` into ``folder``, each file as CRIU names it; start it before
+    CRIU, stop it after (or use it as a context manager).
+
+    Each file is read from its pipe by its own thread, into the file (``splice``: one copy, on whichever
+    core is free while CRIU's goes on gathering pages). ``reserve``: bytes of memory to set aside for the
+    pages of each process (by its PID in the job's namespace) in :meth:`start`, before anything is
+    frozen: a hidden file written full of zeros. That process's pages file is written over it, cut to
+    its length at its end (the rest given back) and only then given its name: until then no reader of the
+    folder sees it. A reservation that does not fit is skipped (those pages take memory as they come).
+    """
+
+    def __init__(
+        self, folder: Path, reserve: Mapping[int, int] | None = None, drain_timeout: float = DRAIN_TIMEOUT_S
+    ) -> None:
+        self.folder = folder
+        self.drain_timeout = drain_timeout
+        self.path = folder / CAPTURE_SOCKET_NAME
+        self.ask = folder / ASK_NAME
+        self.verdict = folder / VERDICT_NAME
+        #: the files CRIU sent, in its order
+        self.captured: list[str] = []
+        #: seconds spent reserving memory in :meth:`start`
+        self.reserved_s = 0.0
+        self._wanted = {pid: -(-size // _PAGE) * _PAGE for pid, size in (reserve or {}).items() if size > 0}
+        self._reserves: dict[int, Path] = {}  # namespace pid -> its reserved file, not taken yet
+        self._last_pagemap: int | None = None
+        self._open: set[str] = set()
+        self._errors: list[str] = []
+        self._verdict: str | None = None
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._conn: socket.socket | None = None
+        self._ask_fd = -1
+        self._stop_r, self._stop_w = os.pipe()
+        self._stopped = False
+
+    def __enter__(self) -> ImageCapture:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    @property
+    def problem(self) -> str | None:
+        """Why the capture failed the dump (CRIU then failed too); None while nothing went wrong."""
+        with self._cond:
+            if self._verdict is not None and self._verdict != "complete":
+                return self._verdict
+            return self._errors[0] if self._errors else None
+
+    def env(self) -> dict[str, str]:
+        """The environment :data:`CAPTURE_SCRIPT` needs, for CRIU to pass on to it."""
+        return {
+            "TORPOR_CAPTURE_ASK": str(self.ask),
+            "TORPOR_CAPTURE_VERDICT": str(self.verdict),
+            "TORPOR_CAPTURE_PID": str(os.getpid()),
+        }
+
+    def start(self) -> None:
+        began = time.monotonic()
+        for pid, size in self._wanted.items():
+            self._reserve(pid, size)
+        self.reserved_s = time.monotonic() - began
+        os.mkfifo(self.ask, 0o600)
+        self._ask_fd = system.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
+        self._listener = _listen(self.folder, CAPTURE_SOCKET_NAME)
+        thread = threading.Thread(target=self._serve, name="image-capture", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop taking files; wait (at most ``timeout`` seconds) for the readers; give back what the
+        reservations did not fill. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"x")
+        with self._cond:
+            conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for fd in (self._ask_fd, self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for path in (self.path, self.ask, self.verdict, *self._reserves.values()):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    # -- before the dump ----------------------------------------------------------------------------------
+
+    def _reserve(self, pid: int, size: int) -> None:
+        path = self.folder / f"{RESERVE_PREFIX}{pid}"
         try:
-            name = fields(body).get(1)  # img_streamer_request_entry.filename
-        except (ValueError, IndexError):
-            return None  # not a request: end the session (CRIU then fails)
-        return name.decode(errors="surrogateescape") if isinstance(name, bytes) else None
+            fd = system.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as exc:
+            log.debug("no reservation for process %d: %s", pid, exc)
+            return
+        try:
+            system.fill_with_zeros(fd, size)
+        except OSError as exc:  # no room: its pages take memory as they come
+            log.debug("no reservation of %d bytes for process %d: %s", size, pid, exc)
+            path.unlink(missing_ok=True)
+            return
+        finally:
+            os.close(fd)
+        self._reserves[pid] = path
+
+    # -- serving ----------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self._listener is not None
+        ready, _, _ = select.select([self._listener.fileno(), self._stop_r], [], [])
+        if self._stop_r in ready:
+            return
+        conn, _ = self._listener.accept()
+        with self._cond:
+            self._conn = conn
+        try:
+            with conn:
+                watched = [conn.fileno(), self._ask_fd, self._stop_r]
+                while True:
+                    ready, _, _ = select.select(watched, [], [])
+                    if conn.fileno() in ready:
+                        # each request before the question: CRIU sent them all before it ran the script
+                        if not self._take(conn):
+                            return  # CRIU is done (or gone)
+                    elif self._ask_fd in ready:
+                        os.read(self._ask_fd, 64)
+                        watched.remove(self._ask_fd)  # asked once: its writer is gone, it reads as ready
+                        self._answer()
+                    else:
+                        return
+        except OSError as exc:
+            log.debug("image capture connection ended: %s", exc)
+
+    def _take(self, conn: socket.socket) -> bool:
+        """Take CRIU's next file: its name, its pipe, a thread to read it; False at the end."""
+        name = _request(conn)
+        if name is None:
+            return False
+        fd = _receive_fd(conn)
+        with contextlib.suppress(OSError):  # only a hint to the kernel
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        if "/" in name or name.startswith(".") or not name:
+            os.close(fd)  # CRIU's own names are plain: fail the dump (its write meets a closed pipe)
+            with self._cond:
+                self._errors.append(f"criu sent a file named {name!r}")
+            return True
+        reserve = None
+        if match := _PAGEMAP.fullmatch(name):
+            self._last_pagemap = int(match.group(1))
+        elif _PAGES.fullmatch(name):
+            owner, self._last_pagemap = self._last_pagemap, None
+            reserve = self._reserves.pop(owner, None) if owner is not None else None
+        with self._cond:
+            self.captured.append(name)
+            self._open.add(name)
+        thread = threading.Thread(target=self._read, args=(name, fd, reserve), daemon=True)
+        thread.name = f"capture {name}"
+        self._threads.append(thread)
+        thread.start()
+        return True
+
+    def _read(self, name: str, pipe: int, reserve: Path | None) -> None:
+        """Read file ``name`` from ``pipe`` to its end: into ``reserve``, then cut and named, if given."""
+        path = self.folder / name
+        try:
+            out = system.open_private(
+                reserve or path, os.O_WRONLY | os.O_CREAT | (0 if reserve else os.O_TRUNC)
+            )
+            try:
+                written = 0
+                while moved := os.splice(pipe, out, PIPE_BYTES):
+                    written += moved
+                if reserve is not None:
+                    os.ftruncate(out, written)
+                    os.rename(reserve, path)
+            finally:
+                os.close(out)
+        except OSError as exc:
+            if reserve is not None:
+                reserve.unlink(missing_ok=True)
+            with self._cond:
+                self._errors.append(f"writing {name}: {exc.strerror or exc}")
+        finally:
+            os.close(pipe)  # early, on an error: CRIU's next write fails, and the dump with it
+            with self._cond:
+                self._open.discard(name)
+                self._cond.notify_all()
+
+    def _answer(self) -> None:
+        """CRIU's post-dump script asks: answer once every file is read to its end (or why not)."""
+        with self._cond:
+            drained = self._cond.wait_for(lambda: not self._open, timeout=self.drain_timeout)
+            if self._errors:
+                verdict = "failed: " + "; ".join(self._errors)
+            elif not drained:
+                left = ", ".join(sorted(self._open))
+                verdict = f"failed: {left} not read to the end within {self.drain_timeout:g} s"
+            else:
+                verdict = "complete"
+            self._verdict = verdict
+        tmp = self.verdict.with_name(f"{self.verdict.name}.tmp")
+        system.write_private(tmp, (verdict + "\n").encode())
+        os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
+
+
+def _listen(folder: Path, name: str) -> socket.socket:
+    """A unix socket listening at ``folder/name``, bound through the folder's fd: a socket path holds at
+    most 107 bytes, an image folder may not."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+    try:
+        (folder / name).unlink(missing_ok=True)
+        listener.bind(f"/proc/self/fd/{fd}/{name}")
+        listener.listen(1)
+    except OSError:
+        listener.close()
+        raise
+    finally:
+        os.close(fd)
+    return listener
+
+
+def _request(conn: socket.socket) -> str | None:
+    """The file name of CRIU's next request; None when it closed the connection, or sent no request."""
+    head = _read_exactly(conn, _LENGTH.size)
+    if head is None:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    body = _read_exactly(conn, length)
+    if body is None:
+        return None
+    try:
+        name = fields(body).get(1)  # img_streamer_request_entry.filename
+    except (ValueError, IndexError):
+        return None  # not a request: end the session (CRIU then fails)
+    return name.decode(errors="surrogateescape") if isinstance(name, bytes) else None
 
 
 def splice_file(path: Path, fd: int) -> None:

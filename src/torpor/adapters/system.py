@@ -127,6 +127,17 @@ def write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def install_script(path: Path, text: str) -> Path:
+    """Write the shell script ``text`` to ``path`` (0700: CRIU runs it as torpor's user), unless it is
+    there already; atomically, so that a CRIU starting meanwhile runs the old one or the new one."""
+    if not path.is_file() or path.is_symlink() or path.read_text() != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        write_private(tmp, text.encode())
+        tmp.chmod(0o700)
+        os.replace(tmp, path)
+    return path
+
+
 def replaceable_by_others(path: Path) -> str | None:
     """Why a user other than torpor's (or root) could replace ``path`` or a folder above it; else None.
 
@@ -320,32 +331,78 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True)
+class MemoryUse:
+    """What one process holds in memory (``/proc/PID/smaps_rollup``), in bytes."""
+
+    pid: int
+    #: its proportional share (PSS): a page mapped by n processes counts 1/n here
+    proportional: int
+    #: its private pages that no file holds (``Anonymous``, each counted in full): what CRIU writes
+    #: into the process's pages file
+    anonymous: int
+
+
+def memory_use(pids: list[int]) -> list[MemoryUse]:
+    """:class:`MemoryUse` of each process of ``pids`` that is still there.
+
+    Reading it walks the page tables: 8-70 ms for 5 processes that each map 300 MiB, 30-65 ms per GiB
+    mapped, on this busy 2-core machine (``statm``: 0.07 ms). A process whose smaps_rollup cannot be read
+    counts its RSS (``statm``) as both.
+    """
+    found = []
+    for pid in pids:
+        values: dict[str, int] = {}
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                for line in rollup:
+                    key, _, rest = line.partition(":")
+                    if key in ("Pss", "Anonymous"):
+                        values[key] = int(rest.split()[0]) << 10
+        except (OSError, IndexError, ValueError):
+            values = {}
+        if "Pss" in values:
+            found.append(MemoryUse(pid, values["Pss"], values.get("Anonymous", values["Pss"])))
+            continue
+        try:
+            resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+        found.append(MemoryUse(pid, resident, resident))
+    return found
+
+
 def resident_bytes(pids: list[int]) -> int:
     """Memory ``pids`` have resident, each page counted once however many of them map it.
 
-    The sum of their PSS (``/proc/PID/smaps_rollup``: a page mapped by n processes counts 1/n in each),
-    so memory shared between the job's processes (forked children, DataLoader workers, a shared mmap)
-    counts once, as in the job's image, where summing their RSS counts it once per process. Pages shared
-    with processes outside the job count for the job's share only. Reading it walks the page tables:
-    8-70 ms for 5 processes that each map 300 MiB, 30-65 ms per GiB mapped, on this busy 2-core machine
-    (``statm``: 0.07 ms). A process whose smaps_rollup cannot be read counts its RSS (``statm``).
+    The sum of their PSS (:func:`memory_use`), so memory shared between the job's processes (forked
+    children, DataLoader workers, a shared mmap) counts once, as in the job's image, where summing their
+    RSS counts it once per process. Pages shared with processes outside the job count for the job's share
+    only.
     """
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as rollup:
-                pss = next((line for line in rollup if line.startswith("Pss:")), None)
-            if pss is not None:
-                total += int(pss.split()[1]) << 10
-                continue
-        except (OSError, IndexError, ValueError):
-            pass
-        try:
-            resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        total += resident * _PAGE
-    return total
+    return sum(use.proportional for use in memory_use(pids))
+
+
+def namespace_pid(pid: int) -> int | None:
+    """``pid`` as its own PID namespace numbers it (the last of ``NSpid``), as CRIU names its images."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^NSpid:\s+([\d\s]+)$", status, re.MULTILINE)
+    return None if match is None else int(match.group(1).split()[-1])
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def fill_with_zeros(fd: int, length: int) -> None:
+    """Write ``length`` zero bytes at the start of the file ``fd``: on tmpfs, pages allocated and touched
+    now, so that what is written there later is a plain copy. (``fallocate`` allocates tmpfs pages without
+    touching them: on a virtual machine whose host took free memory back, the first write to each still
+    waits for the host.)"""
+    for offset in range(0, length, len(_ZEROS)):
+        os.pwrite(fd, _ZEROS[: min(len(_ZEROS), length - offset)], offset)
 
 
 def resume_stopped(pids: list[int]) -> list[int]:

@@ -7,7 +7,9 @@ Order of a checkpoint::
     claim the job (running → checkpointing/hibernating)
     refuse what CRIU cannot dump before anything is frozen (io_uring)
     GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
-    criu dump into the store's staging folder  (job frozen only here; retried as policy.retry says)
+    memory set aside in the staging folder     (the job's pages will be copied into it: allocated now)
+    criu dump --stream, torpor writing it      (job frozen only here; retried as policy.retry says)
+      into the store's staging folder
     GPU stage: give the device back (if the job keeps running)
     store.put (commit: the checkpoint becomes visible)
     record the checkpoint, apply retention; job → running / hibernated
@@ -23,12 +25,14 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from torpor.adapters import system
-from torpor.adapters.criu import Criu, log_excerpt
+from torpor.adapters.criu import Criu, StreamedDump, log_excerpt
 from torpor.adapters.criuimage import DumpStats
+from torpor.adapters.imagestreamer import ImageCapture
 from torpor.core import rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
@@ -83,7 +87,8 @@ def checkpoint_in_launcher(
     committed = False
     try:
         refuse_io_uring(pids)
-        rss = system.resident_bytes(pids)
+        memory = system.memory_use(pids)
+        rss = sum(use.proportional for use in memory)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
@@ -101,6 +106,10 @@ def checkpoint_in_launcher(
                 # fails the dump, which is tried again with it (policy.retry)
                 tcp=system.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
+                capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
+                # memory set aside for the pages where they go to memory (written to a disk, it would
+                # cost a write of zeros as large as the image)
+                reserve=reservations(memory) if ctx.store.in_memory(staging) else None,
             )
         finally:
             if not hibernate:
@@ -172,6 +181,17 @@ def checkpoint_in_launcher(
     return CheckpointReply(checkpoint, not_durable)
 
 
+def reservations(memory: list[system.MemoryUse]) -> dict[int, int]:
+    """The memory to set aside for each process's pages before a streamed dump: its anonymous memory,
+    by its PID in the job's namespace (as CRIU names its images)."""
+    found = {}
+    for use in memory:
+        inner = system.namespace_pid(use.pid)
+        if inner is not None:
+            found[inner] = use.anonymous
+    return found
+
+
 def refuse_io_uring(pids: list[int]) -> None:
     """Refuse a job that holds an io_uring instance: CRIU cannot dump one, and would fail mid-dump."""
     users = system.io_uring_users(pids)
@@ -194,6 +214,8 @@ def dump(
     *,
     tcp: bool = True,
     hold_cpu_wakeups: bool = False,
+    capture_script: Path | None = None,
+    reserve: Mapping[int, int] | None = None,
     **options: Any,
 ) -> DumpStats:
     """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
@@ -202,12 +224,19 @@ def dump(
     of an epoch), or another dump in the job's working directory, is tried again, a few times, from an
     empty folder. ``hold_cpu_wakeups``: keep the CPUs quick to wake while CRIU runs
     (:func:`torpor.adapters.system.cpu_wakeups_held`: a shorter freeze).
+
+    ``capture_script`` (:data:`~torpor.adapters.imagestreamer.CAPTURE_SCRIPT`, installed): CRIU streams
+    the image to torpor, which writes it into ``images_dir``
+    (:class:`~torpor.adapters.imagestreamer.ImageCapture`), the pages of each process into the memory
+    ``reserve`` says (bytes by PID in the job's namespace), allocated before the freeze.
     """
     attempt = 1
     while True:
         try:
             with system.cpu_wakeups_held(hold_cpu_wakeups):
-                return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
+                if capture_script is None:
+                    return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
+                return _dump_streamed(criu, pid, images_dir, log_path, capture_script, reserve, tcp, options)
         except (CheckpointFailed, StorageFull):
             decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())
             if not decision.again:
@@ -216,6 +245,29 @@ def dump(
         time.sleep(decision.delay_s)
         tcp = decision.tcp
         attempt += 1
+
+
+def _dump_streamed(
+    criu: Criu,
+    pid: int,
+    images_dir: Path,
+    log_path: Path,
+    script: Path,
+    reserve: Mapping[int, int] | None,
+    tcp: bool,
+    options: dict[str, Any],
+) -> DumpStats:
+    """One streamed attempt of :func:`dump`: CRIU hands each image file to an image capture."""
+    with ImageCapture(images_dir, reserve) as capture:
+        try:
+            return criu.dump(
+                pid, images_dir, log_path, tcp=tcp, stream=StreamedDump(script, capture.env()), **options
+            )
+        except (CheckpointFailed, StorageFull) as exc:
+            problem = capture.problem
+            if problem is not None:
+                exc.details.append(f"torpor's capture of the image: {problem}")
+            raise
 
 
 def _empty_folder(images_dir: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu, RestoreGate
+from torpor.adapters.imagestreamer import CAPTURE_SCRIPT
 from torpor.core.records import CheckpointId, JobName, Records
 from torpor.core.store import ImageStore, open_store
 from torpor.core.store import config as store_config
@@ -64,6 +65,10 @@ class Context:
     def restore_gate(self, verdict: Path, writer_pid: int) -> RestoreGate:
         script = RestoreGate.install(self.settings.run_dir / "restore-gate.sh")
         return RestoreGate(script, verdict, writer_pid)
+
+    def capture_script(self) -> Path:
+        """The action script of a streamed dump (:data:`~torpor.adapters.imagestreamer.CAPTURE_SCRIPT`)."""
+        return system.install_script(self.settings.run_dir / "dump-capture.sh", CAPTURE_SCRIPT)
 
     def criu_log(self, job: JobName, action: str, checkpoint_id: CheckpointId) -> Path:
         folder = self.settings.job_dir(job) / "criu"

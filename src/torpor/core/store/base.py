@@ -129,6 +129,9 @@ class ImageStore(Protocol):
         read while CRIU holds them frozen (to store it before CRIU has written it).
         """
 
+    def in_memory(self, image_dir: Path) -> bool:
+        """Whether the staging folder ``image_dir`` is in RAM (the hot tier), not on a disk."""
+
     def put(
         self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
     ) -> StoredImage:

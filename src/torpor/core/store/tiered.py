@@ -126,6 +126,9 @@ class TieredStore:
             ) from exc
         return partial
 
+    def in_memory(self, image_dir: Path) -> bool:
+        return self.hot.owns(image_dir)
+
     def discard(self, image_dir: Path) -> None:
         shutil.rmtree(image_dir, ignore_errors=True)
 
