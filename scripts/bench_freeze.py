@@ -80,6 +80,7 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("task state, parasite in", "Dumping task (pid"),
     ("memory pages", "Dumping pages"),
     ("core, mm, files after the pages", "Dumping core"),
+    ("post-dump: torpor reading the last pages", "Running post-dump scripts"),
     ("network unlock", "net: Unlock network"),
     ("thaw and finish (not frozen)", "Unfreezing tasks"),
 )
@@ -138,6 +139,8 @@ class Felt:
 class Side:
     frozen: Samples = field(default_factory=Samples)
     felt: Samples = field(default_factory=Samples)
+    #: the command's whole time, for its caller (torpor only: the memory set aside before the freeze)
+    total: Samples = field(default_factory=Samples)
 
 
 @dataclass
@@ -210,8 +213,9 @@ def bench_size(engine: Engine, criu: Path, work: Path, hot: Path, size: int, rep
 
         def torpor_side() -> None:
             job_felt.skip()
-            frozen, _, _, _ = job.checkpoint(hibernate=False)
+            frozen, total, _, _ = job.checkpoint(hibernate=False)
             result.torpor.frozen.add(frozen)
+            result.torpor.total.add(total)
             result.torpor.felt.add(job_felt.largest())
             logs = sorted(
                 (engine.settings.job_dir(job.name) / "criu").glob("dump-*.log"),
@@ -279,13 +283,16 @@ def bench_steadiness(engine: Engine, count: int) -> Steadiness:
         job.checkpoint(hibernate=False)  # warm-up
         for _ in range(count - count // 2):
             felt.skip()
-            frozen, _, _, _ = job.checkpoint(hibernate=False)  # returns once durable, the destager idle
+            frozen, total, _, _ = job.checkpoint(hibernate=False)  # returns once durable, the destager idle
             result.spaced.frozen.add(frozen)
+            result.spaced.total.add(total)
             result.spaced.felt.add(felt.largest())
         taken = []
         for _ in range(count // 2):
             felt.skip()
+            began = time.monotonic()
             checkpoint = engine.checkpoint(job.name)
+            result.back_to_back.total.add(time.monotonic() - began)
             result.back_to_back.frozen.add(checkpoint.freeze_s)
             result.back_to_back.felt.add(felt.largest())
             taken.append(checkpoint.id)
@@ -322,36 +329,29 @@ def render_steadiness(steady: Steadiness) -> list[str]:
         f"{len(steady.back_to_back.felt.values)} back to back. *Felt* is the largest gap of the job's own "
         f"loop around each; without a checkpoint it felt at most {steady.quiet_s:.3f} s in 3 s.",
         "",
-        "| checkpoints | frozen (CRIU): median | felt: median | felt: worst |",
-        "|---|---|---|---|",
+        "| checkpoints | frozen (CRIU): median | felt: median | felt: worst | total: median | total: worst |",
+        "|---|---|---|---|---|---|",
         *[
-            f"| {label} | {side.frozen.median:.3f} s | {side.felt.median:.3f} s | {max(side.felt.values):.3f} s |"
+            f"| {label} | {side.frozen.median:.3f} s | {side.felt.median:.3f} s | {max(side.felt.values):.3f} s "
+            f"| {side.total.median:.3f} s | {max(side.total.values):.3f} s |"
             for label, side in rows
         ],
-        f"| all {len(felt)} | | {middle:.3f} s | {worst:.3f} s |",
+        f"| all {len(felt)} | | {middle:.3f} s | {worst:.3f} s | | |",
         f"| reference: `torch.save` of its state into /dev/shm, {len(save.values)} times | | "
-        f"{save.median:.3f} s | {max(save.values):.3f} s |",
+        f"{save.median:.3f} s | {max(save.values):.3f} s | | |",
         "",
         f"**Goal 5 (worst felt ≤ {STEADY_BAR:g}× the median): {verdict}** ({worst / middle:.2f}×; "
         f"`torch.save`: {max(save.values) / save.median:.2f}×).",
         "",
-        "What stands in the way: a slow back-to-back freeze is CRIU's own frozen time (frozen ≈ felt), "
-        "spent in its memory pages step, which then writes at a fraction of its usual rate all along. It "
-        "is not the destager's work on the other core: by hand (2026-12-01, same machine), three "
-        "checkpoints 0.1 s apart with no destager started at all froze 1.06, 1.88 and 4.44 s, and with "
-        "the destager at nice 19 0.89, 1.19 and 4.83 s (at its normal priority 1.12, 1.37, 8.31 s). The "
-        "job has no transparent huge pages to lose (AnonHugePages 0 before and after). What it is: "
-        "this virtual machine hands free memory back to its host (virtio-balloon free page reporting, "
-        "`/sys/module/page_reporting`), and touching such memory again costs a fault in the host. A spaced "
-        "checkpoint writes into the memory the last one's RAM copy freed a moment before; back to back, "
-        "the copies stay, and CRIU writes into memory the host took back. By hand: touching 2 GiB of fresh "
-        "memory took 1.5–7.8 s, and with 2 GiB touched and freed right before each, five back-to-back "
-        "checkpoints froze 0.92–1.20 s (without: 0.91, 1.13, 4.47, 4.16, 1.04 s). A pool kept warm in the "
-        "hot tier is not enough: tried by hand (2 GiB written by the destager once it is idle, freed as the "
-        "next dump or restore begins), it froze the back-to-back checkpoints 0.86, 2.58, 5.23, 1.93 and "
-        "1.60 s: the pool feeds one dump, and back to back the destager is never idle to write it again. "
-        "Nothing short of memory already written for every dump in flight would do, at that much RAM held "
-        "idle; it is not built.",
+        "Why a freeze could be slow, and what torpor does about it: this virtual machine hands free memory "
+        "back to its host (virtio-balloon free page reporting, `/sys/module/page_reporting`), and touching "
+        "such memory again costs a fault in the host (by hand: 2 GiB of fresh memory took 1.5–7.8 s to "
+        "touch). A dump that writes its image into memory allocated as it goes, as a plain `criu dump` "
+        "does, pays that while the job is frozen: back to back, with the last copies still in RAM, torpor "
+        "froze this job up to 8.6 s that way (docs/benchmarks.md before 2026-12-02). torpor now writes "
+        "the memory for each dump's pages before the freeze (a file of zeros as large as the job's "
+        "anonymous memory, in the hot tier) and CRIU streams the pages to torpor, which copies them over "
+        "it: the host's faults land in *total*, before the freeze, not in *frozen*.",
         "",
         "- felt, spaced: " + spread(steady.spaced.felt, 3),
         "- felt, back to back: " + spread(steady.back_to_back.felt, 3),
@@ -391,14 +391,19 @@ def render(
         "TCP sockets (`-v4 --tcp-established --file-locks --network-lock nftables --ghost-limit 1G`), CPUs "
         "not held.",
         "- **torpor**: `torpor checkpoint` of a job with no TCP socket: dumped without the TCP options and "
-        "without the network lock (`-v4 --file-locks --ghost-limit 1G`), the CPUs held quick to wake.",
+        "without the network lock (`-v4 --file-locks --ghost-limit 1G`), the CPUs held quick to wake, and "
+        "streamed (`--stream`): CRIU hands the pages to torpor by reference, and torpor copies them into "
+        "memory it set aside (wrote with zeros) before the freeze; CRIU's post-dump script keeps the job "
+        "frozen until torpor has read them all.",
         "- *frozen*: CRIU's own figure (its `stats-dump` image); *felt*: the largest gap the job's own 5 ms "
-        "loop saw around the checkpoint.",
+        "loop saw around the checkpoint; *total*: how long `torpor checkpoint` took for its caller, the "
+        "memory set aside before the freeze included.",
         "",
         "| memory | "
         + " | ".join(f"frozen: {name}" for name in KINDS.values())
-        + " | **torpor / plain** | former / plain | felt: plain | felt: torpor | worst felt / median: torpor |",
-        "|---|" + "---|" * (len(KINDS) + 5),
+        + " | **torpor / plain** | former / plain | felt: plain | felt: torpor | worst felt / median: torpor "
+        "| total: torpor |",
+        "|---|" + "---|" * (len(KINDS) + 6),
     ]
     for r in results:
         t, p, f = r.torpor, r.plain, r.former
@@ -406,7 +411,8 @@ def render(
             f"| {r.size / GIB:g} GiB | "
             + " | ".join(f"{side.frozen.median:.3f} s" for _, side in r.sides())
             + f" | **{t.frozen.median / p.frozen.median:.2f}×** | {f.frozen.median / p.frozen.median:.2f}× "
-            f"| {p.felt.median:.3f} s | {t.felt.median:.3f} s | {max(t.felt.values) / t.felt.median:.2f}× |"
+            f"| {p.felt.median:.3f} s | {t.felt.median:.3f} s | {max(t.felt.values) / t.felt.median:.2f}× "
+            f"| {t.total.median:.3f} s |"
         )
     lines.append("")
     if results:
@@ -425,13 +431,15 @@ def render(
         spent = r.profiles["torpor"]
         frozen = sum(v for step, v in spent.items() if "not frozen" not in step)
         pages = spent["memory pages"]
+        tail = spent["post-dump: torpor reading the last pages"]
         lines.append(
-            f"What stands in the way at {r.size / GIB:g} GiB: CRIU's memory pages step is {pages:.2f} s of the "
-            f"{frozen:.2f} s torpor's profiled dump was frozen ({pages / frozen:.0%}): CRIU writing each page "
-            f"into tmpfs memory allocated as it goes ({r.size / GIB / pages:.1f} GiB/s here). Everything else "
-            "torpor could take out (the network lock, the CPUs' wake-ups) is out. Halving the pages step needs "
-            "the pages written into memory that is already allocated (CRIU's page-server protocol into a pool "
-            "torpor keeps warm), which is not built."
+            f"What torpor's freeze is made of at {r.size / GIB:g} GiB: CRIU's memory pages step is "
+            f"{pages:.2f} s of the {frozen:.2f} s its profiled dump was frozen ({pages / frozen:.0%}): CRIU "
+            "handing each page to torpor by reference while torpor copies it into memory set aside before "
+            f"the freeze ({r.size / GIB / pages:.1f} GiB/s here); the post-dump wait for the last pages "
+            f"took {tail * 1000:.0f} ms. The rest of the command ({r.torpor.total.median:.2f} s in all, "
+            "median) is spent before and after the freeze: mostly writing the memory set aside, at the "
+            "speed this virtual machine gives memory it took back from its host."
         )
         lines.append("")
     for r in results:
