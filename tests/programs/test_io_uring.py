@@ -40,8 +40,9 @@ def test_io_uring_users_finds_a_ring_by_its_descriptor_or_its_mapping(holds: str
         assert system.io_uring_users([job.pid, os.getpid()]) == [job.pid]
         assert "io_uring_job.py " + holds in system.command_line(job.pid)
         # too long for the limit, wherever the checkout is: the paths are cut to their last part first
-        short = system.command_line(job.pid, limit=len(sys.executable) + 5)
-        assert short == f"{os.path.basename(sys.executable)} -u io_uring_job.py {holds}"
+        expected = f"{os.path.basename(sys.executable)} -u io_uring_job.py {holds}"
+        short = system.command_line(job.pid, limit=len(expected))
+        assert short == expected
     finally:
         job.kill()
         job.wait()

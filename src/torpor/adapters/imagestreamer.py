@@ -276,8 +276,8 @@ class ImageCapture:
         thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop taking files; wait (at most ``timeout`` seconds) for the readers; give back what the
-        reservations did not fill. Idempotent."""
+        """Stop taking files; wait (at most ``timeout`` seconds) for the readers; remove torpor's own files
+        and the reservations no pages file took. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -398,7 +398,7 @@ class ImageCapture:
             with self._cond:
                 self._errors.append(f"writing {name}: {exc.strerror or exc}")
         finally:
-            os.close(pipe)  # early, on an error: CRIU's next write fails, and the dump with it
+            os.close(pipe)  # after an error, before its end: CRIU's next write fails, and the dump with it
             with self._cond:
                 self._open.discard(name)
                 self._cond.notify_all()
