@@ -574,15 +574,15 @@ def render(
         "of the issue's bar. The images land in the page cache; nothing is fsynced.",
         f"- **raw CRIU → RAM** dumps into the file system of torpor's hot tier ({places['hot']}), so that "
         "what torpor itself adds can be told from where it writes.",
-        "- **torpor** dumps into its hot tier (RAM): it sets memory aside there for the pages (writes "
-        "it with zeros) before the freeze, and CRIU streams the image to it (`criu dump --stream`), the "
-        "pages by reference, which torpor copies over that memory; then `put` commits the image (a rename); a "
+        "- **torpor** dumps into its hot tier (RAM): CRIU streams the image to it (`criu dump --stream`), "
+        "the pages by reference, and torpor copies them there, for a checkpoint over memory it set aside "
+        "(wrote with zeros) before the freeze; then `put` commits the image (a rename); a "
         "destager process then chunks, hashes, compresses and stores it in the cold tier on disk. *Durable* "
         "is the time until then (the benchmark waits for it, and for the destager to go idle, before the "
         "next measurement, so that its work does not land in someone else's numbers).",
         "- *Frozen* is CRIU's own frozen time from its stats-dump image, the same measure on every side. "
         "*Total* is how long the command took for its caller (for torpor: the round trip to the job's "
-        "launcher, the memory set aside, the dump, and the commit to the hot tier). torpor's *restore* includes fetching the "
+        "launcher, the memory set aside for a checkpoint, the dump, and the commit to the hot tier). torpor's *restore* includes fetching the "
         "image from the store, verifying every byte against its hash (the memory pages while CRIU reads "
         "them; the job runs only once they passed), and starting a launcher that runs `criu restore`. "
         "torpor is timed through its Python API, as the agent calls it: the `torpor` command adds the "

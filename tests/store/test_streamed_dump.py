@@ -242,17 +242,25 @@ def _job(torpor: Torpor, name: str, mib: int) -> tuple[int, str]:
 
 @pytest.mark.criu
 @pytest.mark.timeout(240)
-def test_a_job_dumped_by_streaming_resumes_with_exactly_its_memory(torpor: Torpor) -> None:
+def test_a_job_dumped_by_streaming_comes_back_with_exactly_its_memory(torpor: Torpor) -> None:
+    """A checkpoint's pages go over memory set aside for them; a hibernation's into memory as it comes."""
     pid, digest = _job(torpor, "exact", 64)
     reserve = checkpoint.reservations(system.memory_use(system.namespace_members(pid)))
     assert sum(reserve.values()) >= 64 * MiB  # its pages, set aside by its PID in its own namespace
+    torpor.run("checkpoint", "exact", "--wait")
+    first = torpor.json("checkpoints", "exact")[0]["id"]
     torpor.run("hibernate", "exact", "--wait")
-    (log,) = (torpor.home / "jobs" / "exact" / "criu").glob("dump-*.log")
-    assert "Running pre-stream scripts" in log.read_text()  # CRIU streamed it (the default)
-    lines = len(digests(torpor.log("exact")))
-    torpor.run("resume", "exact")
-    torpor.wait_for(lambda: len(digests(torpor.log("exact"))) > lines, what="a digest from the resumed job")
-    assert set(digests(torpor.log("exact"))) == {digest}
+    logs = list((torpor.home / "jobs" / "exact" / "criu").glob("dump-*.log"))
+    assert len(logs) == 2 and all("Running pre-stream scripts" in log.read_text() for log in logs)
+    for how in (("resume", "exact"), ("restore", "exact", "--from", first)):  # the hibernation, the first
+        before = len(digests(torpor.log("exact")))
+        torpor.run(*how)
+        torpor.wait_for(
+            lambda seen=before: len(digests(torpor.log("exact"))) > seen + 1, what=f"digests after {how}"
+        )
+        assert set(digests(torpor.log("exact"))) == {digest}
+        if how[0] == "resume":
+            torpor.run("stop", "exact")
 
 
 @pytest.mark.criu

@@ -107,9 +107,11 @@ def checkpoint_in_launcher(
                 tcp=system.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
-                # memory set aside for the pages where they go to memory (written to a disk, it would
-                # cost a write of zeros as large as the image)
-                reserve=reservations(memory) if ctx.store.in_memory(staging) else None,
+                # memory set aside for the pages of a job that runs on, so that the host's faults on
+                # fresh memory are paid before its freeze; not on a disk (a write of zeros as large as
+                # the image), nor for a hibernation: that job stops anyway, and what counts is how soon
+                # its memory is free
+                reserve=reservations(memory) if ctx.store.in_memory(staging) and not hibernate else None,
             )
         finally:
             if not hibernate:
