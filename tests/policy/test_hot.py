@@ -13,7 +13,7 @@ import pytest
 
 from torpor.core.store import DURABLE
 from torpor.core.store.hot import HotTier
-from torpor.policy.hot import HotCopy, Room, Tier, after_durable, make_room
+from torpor.policy.hot import HotCopy, Room, Tier, after_durable, make_room, to_take_over
 
 MiB = 1 << 20
 
@@ -82,6 +82,23 @@ def test_an_empty_tier_fits_what_its_file_system_and_capacity_allow() -> None:
     assert make_room(Tier([], used=0, capacity=MiB, free=MiB), MiB).fits
     assert not make_room(Tier([], used=0, capacity=MiB, free=MiB), MiB + 1).fits
     assert make_room(Tier([], used=0, capacity=0, free=0), 0) == Room((), True)
+
+
+# -- whose memory a new checkpoint takes over -----------------------------------------------------------
+
+
+def test_a_new_checkpoint_takes_over_the_newest_durable_copy_of_its_own_job() -> None:
+    copies = [
+        _copy("old", 1),
+        _copy("newest", 3),
+        _copy("staged", 4, state="staged"),  # the only copy of that checkpoint: never
+        _copy("destaging", 5, state="destaging"),
+        _copy("other", 6, job="other"),  # another job's
+    ]
+    assert to_take_over("job", copies) == "newest"
+    assert to_take_over("other", copies) == "other"
+    assert to_take_over("job", [_copy("staged", 1, state="staged")]) is None
+    assert to_take_over("nobody", copies) is None
 
 
 # -- the hot tier acts on it as it did when it re-measured after each removal ---------------------------

@@ -247,12 +247,21 @@ def test_a_job_dumped_by_streaming_comes_back_with_exactly_its_memory(torpor: To
     pid, digest = _job(torpor, "exact", 64)
     reserve = checkpoint.reservations(system.memory_use(system.namespace_members(pid)))
     assert sum(reserve.values()) >= 64 * MiB  # its pages, set aside by its PID in its own namespace
+    hot = Path(torpor.env["TORPOR_HOT_DIR"])
     torpor.run("checkpoint", "exact", "--wait")
-    first = torpor.json("checkpoints", "exact")[0]["id"]
+    (first,) = [c["id"] for c in torpor.json("checkpoints", "exact")]
+    (pages,) = hot.glob(f"*/{first}/pages-*.img")
+    inode = pages.stat().st_ino
+    # the next checkpoint's pages go over the memory of this one's copy in RAM: the very same file
+    torpor.run("checkpoint", "exact", "--wait")
+    (second,) = [c["id"] for c in torpor.json("checkpoints", "exact") if c["id"] != first]
+    (written,) = hot.glob(f"*/{second}/pages-*.img")
+    assert written.stat().st_ino == inode
+    assert not list(hot.glob(f"*/{first}")) and not list(hot.glob("*/*/.memory-*"))
     torpor.run("hibernate", "exact", "--wait")
     logs = list((torpor.home / "jobs" / "exact" / "criu").glob("dump-*.log"))
-    assert len(logs) == 2 and all("Running pre-stream scripts" in log.read_text() for log in logs)
-    for how in (("resume", "exact"), ("restore", "exact", "--from", first)):  # the hibernation, the first
+    assert len(logs) == 3 and all("Running pre-stream scripts" in log.read_text() for log in logs)
+    for how in (("resume", "exact"), ("restore", "exact", "--from", second)):  # the hibernation, the second
         before = len(digests(torpor.log("exact")))
         torpor.run(*how)
         torpor.wait_for(

@@ -135,3 +135,33 @@ def test_a_partial_folder_that_vanishes_while_leftovers_are_listed_is_skipped(
 
     monkeypatch.setattr(hot_module, "owner_alive", renamed_meanwhile)
     assert [p.name for p in tier.leftovers()] == [".x.deleting"]
+
+
+def test_taking_over_a_durable_copy_moves_its_pages_files_out_by_pid_and_drops_the_rest(
+    tmp_path: Path,
+) -> None:
+    from torpor.core.store import hot as hot_module
+
+    from .conftest import write_image
+
+    tier = hot_module.HotTier(tmp_path / "hot")
+    tier.ensure()
+    partial = tmp_path / "hot" / "old.partial"
+    write_image(partial, {0x10000: b"a" * 8192}, pages_id=1)
+    (partial / "pagemap-7.img").write_bytes((partial / "pagemap-1.img").read_bytes())  # pages-1 is pid 7's
+    (partial / "pagemap-1.img").unlink()
+    write_image(partial, {0x20000: b"b" * 4096}, pages_id=2)  # pid 2's, linked into a restore below
+    tier.commit("old", "job", partial, {"created_at": 1.0, "kind": "checkpoint"})
+    tier.update("old", state="durable")
+    restore = tmp_path / "restore"
+    restore.mkdir()
+    os.link(tier.image_dir("old") / "pages-2.img", restore / "pages-2.img")
+    staging = tmp_path / "hot" / "new.partial"
+    staging.mkdir()
+    taken = tier.take_over("old", staging)
+    assert taken == {7: staging / ".memory-7"}
+    assert taken[7].read_bytes() == b"a" * 8192
+    assert (restore / "pages-2.img").read_bytes() == b"b" * 4096  # a restore's link stays its own
+    assert tier.record("old") is None and not tier.image_dir("old").exists()
+    assert not [p for p in (tmp_path / "hot").iterdir() if p.name.endswith(".deleting")]
+    assert tier.take_over("old", staging) == {}  # gone: nothing to take

@@ -209,13 +209,20 @@ class ImageCapture:
     Each file is read from its pipe by its own thread, into the file (``splice``: one copy, on whichever
     core is free while CRIU's goes on gathering pages). ``reserve``: bytes of memory to set aside for the
     pages of each process (by its PID in the job's namespace) in :meth:`start`, before anything is
-    frozen: a hidden file written full of zeros. That process's pages file is written over it, cut to
-    its length at its end (the rest given back) and only then given its name: until then no reader of the
-    folder sees it. A reservation that does not fit is skipped (those pages take memory as they come).
+    frozen: a hidden file written full of zeros, unless ``taken`` names a file in the folder that holds
+    memory already (the pages of an older image of the same job, written over as they are). That
+    process's pages file is written over it, cut to its length at its end (the rest given back) and only
+    then given its name: until then no reader of the folder sees it. A reservation that does not fit is
+    skipped (those pages take memory as they come). Files of ``taken`` no pages file used are removed
+    when the capture stops.
     """
 
     def __init__(
-        self, folder: Path, reserve: Mapping[int, int] | None = None, drain_timeout: float = DRAIN_TIMEOUT_S
+        self,
+        folder: Path,
+        reserve: Mapping[int, int] | None = None,
+        taken: Mapping[int, Path] | None = None,
+        drain_timeout: float = DRAIN_TIMEOUT_S,
     ) -> None:
         self.folder = folder
         self.drain_timeout = drain_timeout
@@ -227,6 +234,7 @@ class ImageCapture:
         #: seconds spent reserving memory in :meth:`start`
         self.reserved_s = 0.0
         self._wanted = {pid: -(-size // _PAGE) * _PAGE for pid, size in (reserve or {}).items() if size > 0}
+        self._taken = dict(taken or {})
         self._reserves: dict[int, Path] = {}  # namespace pid -> its reserved file, not taken yet
         self._last_pagemap: int | None = None
         self._open: set[str] = set()
@@ -265,8 +273,12 @@ class ImageCapture:
 
     def start(self) -> None:
         began = time.monotonic()
+        for pid, path in self._taken.items():
+            if path.is_file() and not path.is_symlink():
+                self._reserves[pid] = path
         for pid, size in self._wanted.items():
-            self._reserve(pid, size)
+            if pid not in self._reserves:
+                self._reserve(pid, size)
         self.reserved_s = time.monotonic() - began
         os.mkfifo(self.ask, 0o600)
         self._ask_fd = system.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
@@ -297,7 +309,7 @@ class ImageCapture:
         for fd in (self._ask_fd, self._stop_r, self._stop_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        for path in (self.path, self.ask, self.verdict, *self._reserves.values()):
+        for path in (self.path, self.ask, self.verdict, *self._reserves.values(), *self._taken.values()):
             with contextlib.suppress(OSError):
                 path.unlink()
 

@@ -92,6 +92,11 @@ def checkpoint_in_launcher(
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
+        # memory set aside for the pages of a job that runs on, so that the host's faults on fresh memory
+        # are paid before its freeze: its older copy's in RAM, or written now; not on a disk (a write of
+        # zeros as large as the image), nor for a hibernation: that job stops anyway, and what counts is
+        # how soon its memory is free
+        set_aside = ctx.settings.stream_dump and ctx.store.in_memory(staging) and not hibernate
         dump_started = time.monotonic()
         try:
             stats = dump(
@@ -107,11 +112,8 @@ def checkpoint_in_launcher(
                 tcp=system.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
-                # memory set aside for the pages of a job that runs on, so that the host's faults on
-                # fresh memory are paid before its freeze; not on a disk (a write of zeros as large as
-                # the image), nor for a hibernation: that job stops anyway, and what counts is how soon
-                # its memory is free
-                reserve=reservations(memory) if ctx.store.in_memory(staging) and not hibernate else None,
+                reserve=reservations(memory) if set_aside else None,
+                taken=ctx.store.take_over_memory(name, staging) if set_aside else None,
             )
         finally:
             if not hibernate:
@@ -218,6 +220,7 @@ def dump(
     hold_cpu_wakeups: bool = False,
     capture_script: Path | None = None,
     reserve: Mapping[int, int] | None = None,
+    taken: Mapping[int, Path] | None = None,
     **options: Any,
 ) -> DumpStats:
     """:meth:`Criu.dump` (same arguments), tried again as long as :mod:`torpor.policy.retry` says.
@@ -230,7 +233,8 @@ def dump(
     ``capture_script`` (:data:`~torpor.adapters.imagestreamer.CAPTURE_SCRIPT`, installed): CRIU streams
     the image to torpor, which writes it into ``images_dir``
     (:class:`~torpor.adapters.imagestreamer.ImageCapture`), the pages of each process into the memory
-    ``reserve`` says (bytes by PID in the job's namespace), allocated before the freeze.
+    ``reserve`` says (bytes by PID in the job's namespace), allocated before the freeze, or over the
+    file ``taken`` names for it in ``images_dir`` (memory an older copy of the job's image held).
     """
     attempt = 1
     while True:
@@ -238,7 +242,9 @@ def dump(
             with system.cpu_wakeups_held(hold_cpu_wakeups):
                 if capture_script is None:
                     return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
-                return _dump_streamed(criu, pid, images_dir, log_path, capture_script, reserve, tcp, options)
+                return _dump_streamed(
+                    criu, pid, images_dir, log_path, capture_script, reserve, taken, tcp, options
+                )
         except (CheckpointFailed, StorageFull):
             decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())
             if not decision.again:
@@ -256,11 +262,12 @@ def _dump_streamed(
     log_path: Path,
     script: Path,
     reserve: Mapping[int, int] | None,
+    taken: Mapping[int, Path] | None,
     tcp: bool,
     options: dict[str, Any],
 ) -> DumpStats:
     """One streamed attempt of :func:`dump`: CRIU hands each image file to an image capture."""
-    with ImageCapture(images_dir, reserve) as capture:
+    with ImageCapture(images_dir, reserve, taken) as capture:
         try:
             return criu.dump(
                 pid, images_dir, log_path, tcp=tcp, stream=StreamedDump(script, capture.env()), **options

@@ -132,6 +132,11 @@ class ImageStore(Protocol):
     def in_memory(self, image_dir: Path) -> bool:
         """Whether the staging folder ``image_dir`` is in RAM (the hot tier), not on a disk."""
 
+    def take_over_memory(self, job: str, image_dir: Path) -> dict[int, Path]:
+        """Files in the staging folder ``image_dir`` holding the memory of an older copy of ``job``'s
+        image in RAM, for a dump to write over, by the PID (in the job's namespace) whose pages they held;
+        that copy is dropped (it is durable: the cold tier still has it). Empty when there is none."""
+
     def put(
         self, checkpoint_id: str, job: str, image_dir: Path, meta: Mapping[str, Any] | None = None
     ) -> StoredImage:

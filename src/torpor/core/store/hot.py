@@ -11,8 +11,9 @@ Layout under the hot folder::
 The record (written atomically, format-versioned) holds the checkpoint's job, each file's size and, once
 taken, BLAKE3 hash, and its state: ``staged`` (waiting for the destager), ``destaging`` (with bytes done),
 ``durable`` (a manifest is in the cold tier; the hot copy is only a cache now: the destager drops it
-once a newer checkpoint of the job is durable, and :meth:`HotTier.make_room` oldest first when the tier
-is over capacity — which copies go is :mod:`torpor.policy.hot`'s decision, the I/O is here). A hot image
+once a newer checkpoint of the job is durable, :meth:`HotTier.make_room` oldest first when the tier
+is over capacity, and :meth:`HotTier.take_over` when the job's next checkpoint writes over its memory —
+which copies go is :mod:`torpor.policy.hot`'s decision, the I/O is here). A hot image
 is verified when read back like any other: once durable, against its manifest's chunk hashes (the
 destager's one pass over the image both stores and hashes it); before that, against file hashes taken by
 the first restore — so that ``put`` costs only a rename.
@@ -42,6 +43,7 @@ from torpor.adapters import system
 from torpor.core.store.base import STAGED
 from torpor.core.store.hotfolder import HotFolder
 from torpor.core.store.manifest import safe_file_name
+from torpor.core.store.pagemap import read_pagemap
 from torpor.errors import (
     CheckpointNotFound,
     CorruptImage,
@@ -312,6 +314,39 @@ class HotTier:
             with contextlib.suppress(FileNotFoundError):
                 os.rename(folder, doomed)  # first, so a half-deleted image is never listed
                 shutil.rmtree(doomed, ignore_errors=True)
+
+    def take_over(self, checkpoint_id: str, dest: Path) -> dict[int, Path]:
+        """Drop the durable copy ``checkpoint_id``, its pages files moved into ``dest`` first (as
+        ``.memory-PID``, PID as its pagemap names the process); those files by PID.
+
+        Its memory is then there for a new dump of the same job to write over (see
+        :func:`torpor.policy.hot.to_take_over`). Renamed away first, as :meth:`remove` does, so that no
+        restore links it from now on; a file a restore linked before (more than one link) stays with that
+        restore.
+        """
+        folder = self._dir(checkpoint_id)
+        doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
+        try:
+            os.rename(folder, doomed)
+        except FileNotFoundError:
+            return {}  # dropped meanwhile
+        except OSError as exc:
+            raise tier_error(exc, self.root) from exc
+        taken: dict[int, Path] = {}
+        try:
+            for path in doomed.glob("pagemap-*.img"):
+                pid = path.name.removeprefix("pagemap-").removesuffix(".img")
+                try:
+                    pages = doomed / read_pagemap(path).pages_file
+                    if not pid.isdigit() or os.lstat(pages).st_nlink != 1:
+                        continue
+                    os.rename(pages, dest / f".memory-{pid}")
+                except (OSError, ValueError, IndexError):
+                    continue  # not taken: its memory is freed with the rest
+                taken[int(pid)] = dest / f".memory-{pid}"
+        finally:
+            shutil.rmtree(doomed, ignore_errors=True)
+        return taken
 
     # -- capacity -----------------------------------------------------------------------------------
 

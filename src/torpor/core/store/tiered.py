@@ -42,13 +42,22 @@ from torpor.core.store.base import (
     is_bulk,
 )
 from torpor.core.store.config import ConfigFile, StoreConfig
-from torpor.core.store.hot import HotRecord, HotTier, hash_file, owner_alive, tier_error, write_owner
+from torpor.core.store.hot import (
+    HotRecord,
+    HotTier,
+    as_copy,
+    hash_file,
+    owner_alive,
+    tier_error,
+    write_owner,
+)
 from torpor.core.store.lazy import LazyImage
 from torpor.core.store.manifest import Manifest
 from torpor.core.store.objects import KIND_CHUNK, read_key_file
 from torpor.core.store.repository import Repository
 from torpor.core.store.verify import verify_extents
 from torpor.errors import CheckpointNotFound, CorruptImage, StoreError, TorporError
+from torpor.policy import hot as hot_policy
 from torpor.policy import readahead
 from torpor.settings import Settings
 
@@ -128,6 +137,12 @@ class TieredStore:
 
     def in_memory(self, image_dir: Path) -> bool:
         return self.hot.owns(image_dir)
+
+    def take_over_memory(self, job: str, image_dir: Path) -> dict[int, Path]:
+        if not self.hot.owns(image_dir):
+            return {}
+        chosen = hot_policy.to_take_over(job, [as_copy(record) for record in self.hot.records()])
+        return {} if chosen is None else self.hot.take_over(chosen, image_dir)
 
     def discard(self, image_dir: Path) -> None:
         shutil.rmtree(image_dir, ignore_errors=True)
