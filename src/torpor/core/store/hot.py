@@ -308,12 +308,18 @@ class HotTier:
         return self._dir(checkpoint_id)
 
     def remove(self, checkpoint_id: str) -> None:
-        folder = self._dir(checkpoint_id)
-        if self.exists() and folder.exists():
-            doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(folder, doomed)  # first, so a half-deleted image is never listed
-                shutil.rmtree(doomed, ignore_errors=True)
+        if self.exists() and (doomed := self._away(checkpoint_id)) is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def _away(self, checkpoint_id: str) -> Path | None:
+        """Rename an image's folder out of sight before it is deleted, so that a half-deleted image is
+        never listed nor linked by a restore; where it went, or None when it was gone already."""
+        doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
+        try:
+            os.rename(self._dir(checkpoint_id), doomed)
+        except FileNotFoundError:
+            return None
+        return doomed
 
     def take_over(self, checkpoint_id: str, dest: Path) -> dict[int, Path]:
         """Drop the durable copy ``checkpoint_id``, its pages files moved into ``dest`` first (as
@@ -324,14 +330,12 @@ class HotTier:
         restore links it from now on; a file a restore linked before (more than one link) stays with that
         restore.
         """
-        folder = self._dir(checkpoint_id)
-        doomed = self.root / f".{checkpoint_id}.{uuid.uuid4().hex[:6]}.deleting"
         try:
-            os.rename(folder, doomed)
-        except FileNotFoundError:
-            return {}  # dropped meanwhile
+            doomed = self._away(checkpoint_id)
         except OSError as exc:
             raise tier_error(exc, self.root) from exc
+        if doomed is None:
+            return {}  # dropped meanwhile
         taken: dict[int, Path] = {}
         try:
             for path in doomed.glob("pagemap-*.img"):
