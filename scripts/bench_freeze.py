@@ -439,7 +439,9 @@ def render(
             f"the freeze ({r.size / GIB / pages:.1f} GiB/s here); the post-dump wait for the last pages "
             f"took {tail * 1000:.0f} ms. The rest of the command ({r.torpor.total.median:.2f} s in all, "
             "median) is spent before and after the freeze: mostly writing the memory set aside, at the "
-            "speed this virtual machine gives memory it took back from its host."
+            "speed this virtual machine gives memory it took back from its host (each measured checkpoint "
+            "is deleted before the next, so none finds an older copy in RAM whose memory it could take "
+            "over, as a job's next checkpoint does)."
         )
         lines.append("")
     for r in results:
