@@ -70,42 +70,60 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 Writer = Callable[[int], None]
 
 
-class ImageStreamer:
-    """Answers one ``criu restore --stream`` on ``folder``; start it before CRIU, stop it after."""
+class _Session:
+    """What both ways share: a socket listening in the image folder for CRIU's one connection, a thread
+    serving it and a thread per file, and a stop that ends them all."""
 
-    def __init__(self, folder: Path, writers: Mapping[str, Writer] | None = None) -> None:
+    def __init__(self, folder: Path, socket_name: str) -> None:
         self.folder = folder
-        self.writers = dict(writers or {})
-        self.path = folder / SOCKET_NAME
-        self.served: list[str] = []
-        self._errors: list[BaseException] = []
-        self._listener: socket.socket | None = None
-        self._stop_r, self._stop_w = os.pipe()
+        self.path = folder / socket_name
+        self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
         self._conn: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._stop_r, self._stop_w = os.pipe()
         self._stopped = False
 
-    @property
-    def error(self) -> BaseException | None:
-        """The first thing that went wrong writing a file (CRIU then failed, reading it short)."""
-        with self._lock:
-            return self._errors[0] if self._errors else None
+    def _listen(self, name: str, converse: Callable[[socket.socket], None]) -> None:
+        """Listen for CRIU, and ``converse`` with it over its connection in a thread called ``name``."""
+        self._listener = _listen(self.folder, self.path.name)
+        self._spawn(name, self._serve, name, converse)
 
-    def start(self) -> None:
-        self._listener = _listen(self.folder, SOCKET_NAME)
-        thread = threading.Thread(target=self._serve, name="image-streamer", daemon=True)
+    def _serve(self, name: str, converse: Callable[[socket.socket], None]) -> None:
+        conn = self._accept()
+        if conn is None:
+            return
+        try:
+            with conn:
+                converse(conn)
+        except OSError as exc:
+            log.debug("%s: connection ended: %s", name, exc)
+
+    def _spawn(self, name: str, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop answering; wait (at most ``timeout`` seconds) for the file writers to finish. Idempotent."""
+    def _accept(self) -> socket.socket | None:
+        """CRIU's connection, once it comes; None when stopped first."""
+        assert self._listener is not None
+        ready, _, _ = select.select([self._listener.fileno(), self._stop_r], [], [])
+        if self._stop_r in ready:
+            return None
+        conn, _ = self._listener.accept()
+        with self._cond:
+            self._conn = conn
+        return conn
+
+    def _close(self, timeout: float, files: tuple[Path, ...] = (), fds: tuple[int, ...] = ()) -> bool:
+        """End the session: wait (at most ``timeout`` seconds) for its threads; remove the socket and
+        ``files``, close ``fds``. False when it had ended already."""
         if self._stopped:
-            return
+            return False
         self._stopped = True
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
-        with self._lock:
+        with self._cond:
             conn = self._conn
         if conn is not None:
             with contextlib.suppress(OSError):
@@ -116,43 +134,53 @@ class ImageStreamer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        for fd in (self._stop_r, self._stop_w):
+        for fd in (*fds, self._stop_r, self._stop_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        for path in (self.path, *files):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return True
+
+
+class ImageStreamer(_Session):
+    """Answers one ``criu restore --stream`` on ``folder``; start it before CRIU, stop it after."""
+
+    def __init__(self, folder: Path, writers: Mapping[str, Writer] | None = None) -> None:
+        super().__init__(folder, SOCKET_NAME)
+        self.writers = dict(writers or {})
+        self.served: list[str] = []
+        self._errors: list[BaseException] = []
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first thing that went wrong writing a file (CRIU then failed, reading it short)."""
+        with self._cond:
+            return self._errors[0] if self._errors else None
+
+    def start(self) -> None:
+        self._listen("image-streamer", self._answer_requests)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop answering; wait (at most ``timeout`` seconds) for the file writers to finish. Idempotent."""
+        self._close(timeout)
 
     # -- serving ----------------------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        assert self._listener is not None
-        ready, _, _ = select.select([self._listener.fileno(), self._stop_r], [], [])
-        if self._stop_r in ready:
-            return
-        conn, _ = self._listener.accept()
-        with self._lock:
-            self._conn = conn
-        try:
-            with conn:
-                while True:
-                    name = _request(conn)
-                    if name is None:
-                        return  # CRIU is done (or gone)
-                    writer = self._writer(name)
-                    conn.sendall(_reply(writer is not None))
-                    if writer is None:
-                        continue
-                    fd = _receive_fd(conn)
-                    with contextlib.suppress(OSError):  # only a hint to the kernel
-                        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-                    thread = threading.Thread(
-                        target=self._write, args=(name, writer, fd), name=f"stream {name}", daemon=True
-                    )
-                    self._threads.append(thread)
-                    self.served.append(name)
-                    thread.start()
-        except OSError as exc:
-            log.debug("image streamer connection ended: %s", exc)
+    def _answer_requests(self, conn: socket.socket) -> None:
+        while True:
+            name = _request(conn)
+            if name is None:
+                return  # CRIU is done (or gone)
+            writer = self._writer(name)
+            conn.sendall(_reply(writer is not None))
+            if writer is None:
+                continue
+            fd = _receive_fd(conn)
+            with contextlib.suppress(OSError):  # only a hint to the kernel
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+            self.served.append(name)
+            self._spawn(f"stream {name}", self._write, name, writer, fd)
 
     def _writer(self, name: str) -> Writer | None:
         if name in self.writers:
@@ -168,7 +196,7 @@ class ImageStreamer:
         try:
             writer(fd)
         except BaseException as exc:  # CRIU reads the file short and fails; the caller reports why
-            with self._lock:
+            with self._cond:
                 self._errors.append(exc)
             log.debug("writing %s to criu failed: %s", name, exc)
         finally:
@@ -202,7 +230,7 @@ _PAGES = re.compile(r"pages-\d+\.img")
 DRAIN_TIMEOUT_S = 30.0
 
 
-class ImageCapture:
+class ImageCapture(_Session):
     """Takes one ``criu dump --stream`` into ``folder``, each file as CRIU names it; start it before
     CRIU, stop it after (or use it as a context manager).
 
@@ -224,9 +252,8 @@ class ImageCapture:
         taken: Mapping[int, Path] | None = None,
         drain_timeout: float = DRAIN_TIMEOUT_S,
     ) -> None:
-        self.folder = folder
+        super().__init__(folder, CAPTURE_SOCKET_NAME)
         self.drain_timeout = drain_timeout
-        self.path = folder / CAPTURE_SOCKET_NAME
         self.ask = folder / ASK_NAME
         self.verdict = folder / VERDICT_NAME
         #: the files CRIU sent, in its order
@@ -240,13 +267,7 @@ class ImageCapture:
         self._open: set[str] = set()
         self._errors: list[str] = []
         self._verdict: str | None = None
-        self._cond = threading.Condition()
-        self._threads: list[threading.Thread] = []
-        self._listener: socket.socket | None = None
-        self._conn: socket.socket | None = None
         self._ask_fd = -1
-        self._stop_r, self._stop_w = os.pipe()
-        self._stopped = False
 
     def __enter__(self) -> ImageCapture:
         self.start()
@@ -282,36 +303,13 @@ class ImageCapture:
         self.reserved_s = time.monotonic() - began
         os.mkfifo(self.ask, 0o600)
         self._ask_fd = system.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
-        self._listener = _listen(self.folder, CAPTURE_SOCKET_NAME)
-        thread = threading.Thread(target=self._serve, name="image-capture", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._listen("image-capture", self._take_files)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking files; wait (at most ``timeout`` seconds) for the readers; remove torpor's own files
         and the reservations no pages file took. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        with contextlib.suppress(OSError):
-            os.write(self._stop_w, b"x")
-        with self._cond:
-            conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        deadline = time.monotonic() + timeout
-        for thread in list(self._threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for fd in (self._ask_fd, self._stop_r, self._stop_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        for path in (self.path, self.ask, self.verdict, *self._reserves.values(), *self._taken.values()):
-            with contextlib.suppress(OSError):
-                path.unlink()
+        leftovers = (self.ask, self.verdict, *self._reserves.values(), *self._taken.values())
+        self._close(timeout, files=leftovers, fds=(self._ask_fd,))
 
     # -- before the dump ----------------------------------------------------------------------------------
 
@@ -334,31 +332,20 @@ class ImageCapture:
 
     # -- serving ----------------------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        assert self._listener is not None
-        ready, _, _ = select.select([self._listener.fileno(), self._stop_r], [], [])
-        if self._stop_r in ready:
-            return
-        conn, _ = self._listener.accept()
-        with self._cond:
-            self._conn = conn
-        try:
-            with conn:
-                watched = [conn.fileno(), self._ask_fd, self._stop_r]
-                while True:
-                    ready, _, _ = select.select(watched, [], [])
-                    if conn.fileno() in ready:
-                        # each request before the question: CRIU sent them all before it ran the script
-                        if not self._take(conn):
-                            return  # CRIU is done (or gone)
-                    elif self._ask_fd in ready:
-                        os.read(self._ask_fd, 64)
-                        watched.remove(self._ask_fd)  # asked once: its writer is gone, it reads as ready
-                        self._answer()
-                    else:
-                        return
-        except OSError as exc:
-            log.debug("image capture connection ended: %s", exc)
+    def _take_files(self, conn: socket.socket) -> None:
+        watched = [conn.fileno(), self._ask_fd, self._stop_r]
+        while True:
+            ready, _, _ = select.select(watched, [], [])
+            if conn.fileno() in ready:
+                # each request before the question: CRIU sent them all before it ran the script
+                if not self._take(conn):
+                    return  # CRIU is done (or gone)
+            elif self._ask_fd in ready:
+                os.read(self._ask_fd, 64)
+                watched.remove(self._ask_fd)  # asked once: its writer is gone, it reads as ready
+                self._answer()
+            else:
+                return
 
     def _take(self, conn: socket.socket) -> bool:
         """Take CRIU's next file: its name, its pipe, a thread to read it; False at the end."""
@@ -382,10 +369,7 @@ class ImageCapture:
         with self._cond:
             self.captured.append(name)
             self._open.add(name)
-        thread = threading.Thread(target=self._read, args=(name, fd, reserve), daemon=True)
-        thread.name = f"capture {name}"
-        self._threads.append(thread)
-        thread.start()
+        self._spawn(f"capture {name}", self._read, name, fd, reserve)
         return True
 
     def _read(self, name: str, pipe: int, reserve: Path | None) -> None:

@@ -293,14 +293,20 @@ def namespace_members(root_pid: int) -> list[int]:
     return sorted(members)
 
 
-def process_uid(pid: int) -> int | None:
-    """The real uid of a process; None if there is no such process."""
+def _status(pid: int, field: str) -> list[str] | None:
+    """The words of one field of ``/proc/PID/status``; None if there is no such process or field."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
-    return None if match is None else int(match.group(1))
+    match = re.search(rf"^{field}:(.*)$", status, re.MULTILINE)
+    return None if match is None else match.group(1).split()
+
+
+def process_uid(pid: int) -> int | None:
+    """The real uid of a process; None if there is no such process."""
+    uids = _status(pid, "Uid")
+    return int(uids[0]) if uids else None
 
 
 def process_user(pid: int) -> str | None:
@@ -385,12 +391,8 @@ def resident_bytes(pids: list[int]) -> int:
 
 def namespace_pid(pid: int) -> int | None:
     """``pid`` as its own PID namespace numbers it (the last of ``NSpid``), as CRIU names its images."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    match = re.search(r"^NSpid:\s+([\d\s]+)$", status, re.MULTILINE)
-    return None if match is None else int(match.group(1).split()[-1])
+    pids = _status(pid, "NSpid")
+    return int(pids[-1]) if pids else None
 
 
 _ZEROS = bytes(1 << 20)
