@@ -240,6 +240,22 @@ def _job(torpor: Torpor, name: str, mib: int) -> tuple[int, str]:
     return int(torpor.job(name)["pid"]), digest
 
 
+def _dump_streamed(torpor: Torpor, pid: int, tmp_path: Path, *, leave_running: bool) -> Any:
+    """One streamed dump of ``pid`` into a new folder, as the launcher makes it (no memory set aside)."""
+    engine = torpor.engine()
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    return checkpoint.dump(
+        engine.ctx.criu,
+        pid,
+        images,
+        tmp_path / "dump.log",
+        leave_running=leave_running,
+        tcp=False,
+        capture_script=engine.ctx.capture_script(),
+    )
+
+
 @pytest.mark.criu
 @pytest.mark.timeout(240)
 def test_a_job_dumped_by_streaming_comes_back_with_exactly_its_memory(torpor: Torpor) -> None:
@@ -287,18 +303,7 @@ def test_the_job_stays_frozen_until_the_capture_answers(
         answer(self)
 
     monkeypatch.setattr(ImageCapture, "_answer", slow_answer)
-    engine = torpor.engine()
-    images = tmp_path / "images"
-    images.mkdir(mode=0o700)
-    stats = checkpoint.dump(
-        engine.ctx.criu,
-        pid,
-        images,
-        tmp_path / "dump.log",
-        leave_running=True,
-        tcp=False,
-        capture_script=engine.ctx.capture_script(),
-    )
+    stats = _dump_streamed(torpor, pid, tmp_path, leave_running=True)
     assert seen == ["t"]  # stopped by CRIU (ptrace) while the capture took its time
     assert stats.frozen_s >= 1.5
     assert system.process_state(pid) in ("S", "R")
@@ -312,28 +317,16 @@ def test_a_failed_capture_fails_the_dump_and_the_job_runs_on(
     pid, digest = _job(torpor, "runs", 16)
 
     def failing_read(self: ImageCapture, name: str, pipe: int, reserve: Any) -> None:
+        os.close(pipe)  # as a reader that met a full disk does
         with self._cond:
             self._errors.append(f"writing {name}: No space left on device")
-            self._open.add(name)  # discarded below, as a reader ending does
-        os.close(pipe)
-        with self._cond:
             self._open.discard(name)
             self._cond.notify_all()
 
     monkeypatch.setattr(ImageCapture, "_read", failing_read)
-    engine = torpor.engine()
-    images = tmp_path / "images"
-    images.mkdir(mode=0o700)
     with pytest.raises(CheckpointFailed) as failed:
-        checkpoint.dump(
-            engine.ctx.criu,
-            pid,
-            images,
-            tmp_path / "dump.log",
-            leave_running=False,  # even a hibernation: the job is not killed for an image torpor lost
-            tcp=False,
-            capture_script=engine.ctx.capture_script(),
-        )
+        # even a hibernation: the job is not killed for an image torpor lost
+        _dump_streamed(torpor, pid, tmp_path, leave_running=False)
     assert any("No space left on device" in line for line in failed.value.details), failed.value.details
     assert system.is_alive(pid) and system.process_state(pid) != "T"
     lines = len(digests(torpor.log("runs")))

@@ -115,11 +115,11 @@ class _Session:
             self._conn = conn
         return conn
 
-    def _close(self, timeout: float, files: tuple[Path, ...] = (), fds: tuple[int, ...] = ()) -> bool:
+    def _close(self, timeout: float, files: tuple[Path, ...] = (), fds: tuple[int, ...] = ()) -> None:
         """End the session: wait (at most ``timeout`` seconds) for its threads; remove the socket and
-        ``files``, close ``fds``. False when it had ended already."""
+        ``files``, close ``fds``. Idempotent."""
         if self._stopped:
-            return False
+            return
         self._stopped = True
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
@@ -140,7 +140,6 @@ class _Session:
         for path in (self.path, *files):
             with contextlib.suppress(OSError):
                 path.unlink()
-        return True
 
 
 class ImageStreamer(_Session):
@@ -258,8 +257,6 @@ class ImageCapture(_Session):
         self.verdict = folder / VERDICT_NAME
         #: the files CRIU sent, in its order
         self.captured: list[str] = []
-        #: seconds spent reserving memory in :meth:`start`
-        self.reserved_s = 0.0
         self._wanted = {pid: -(-size // _PAGE) * _PAGE for pid, size in (reserve or {}).items() if size > 0}
         self._taken = dict(taken or {})
         self._reserves: dict[int, Path] = {}  # namespace pid -> its reserved file, not taken yet
@@ -293,14 +290,12 @@ class ImageCapture(_Session):
         }
 
     def start(self) -> None:
-        began = time.monotonic()
         for pid, path in self._taken.items():
             if path.is_file() and not path.is_symlink():
                 self._reserves[pid] = path
         for pid, size in self._wanted.items():
             if pid not in self._reserves:
                 self._reserve(pid, size)
-        self.reserved_s = time.monotonic() - began
         os.mkfifo(self.ask, 0o600)
         self._ask_fd = system.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
         self._listen("image-capture", self._take_files)
