@@ -92,11 +92,12 @@ def checkpoint_in_launcher(
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
-        # memory set aside for the pages of a job that runs on, so that the host's faults on fresh memory
-        # are paid before its freeze: its older copy's in RAM, or written now; not on a disk (a write of
-        # zeros as large as the image), nor for a hibernation: that job stops anyway, and what counts is
-        # how soon its memory is free
-        set_aside = ctx.settings.stream_dump and ctx.store.in_memory(staging) and not hibernate
+        # memory set aside for the pages, so that the host's faults on fresh memory are not paid while
+        # the job is frozen: the memory of the job's older copy in RAM, taken over, or else (for a job
+        # that runs on) a file of zeros written now. Not on a disk (a write as large as the image); and a
+        # hibernation writes no zeros: that job stops anyway, and what counts is how soon its memory is
+        # free, which writing memory first would only delay
+        in_ram = ctx.settings.stream_dump and ctx.store.in_memory(staging)
         dump_started = time.monotonic()
         try:
             stats = dump(
@@ -112,8 +113,8 @@ def checkpoint_in_launcher(
                 tcp=system.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
-                reserve=reservations(memory) if set_aside else None,
-                taken=ctx.store.take_over_memory(name, staging) if set_aside else None,
+                reserve=reservations(memory) if in_ram and not hibernate else None,
+                taken=ctx.store.take_over_memory(name, staging) if in_ram else None,
             )
         finally:
             if not hibernate:

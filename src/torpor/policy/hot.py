@@ -9,9 +9,9 @@ the cold tier, state ``durable``):
   dumps slowed down as such copies piled up).
 * :func:`make_room` — which durable copies go so that ``need`` more bytes fit: oldest first, until the
   tier stays within its capacity *and* its file system has the room.
-* :func:`to_take_over` — which copy gives its memory to a new checkpoint of its job: its pages are
-  written over that copy's, memory that is already there, instead of memory allocated (and, on a
-  virtual machine whose host took free memory back, faulted in) for the new one.
+* :func:`to_take_over` — which copy gives its memory to a new checkpoint or hibernation of its job: its
+  pages are written over that copy's, memory that is already there, instead of memory allocated (and,
+  on a virtual machine whose host took free memory back, faulted in) for the new one.
 
 Both are pure: they work on the sizes and states they are given and return ids to drop. Measuring the
 tier, removing folders and logging are :class:`torpor.core.store.hot.HotTier`'s and the destager's.
@@ -82,8 +82,9 @@ def after_durable(copy: HotCopy, others: Sequence[HotCopy]) -> tuple[str, ...]:
 
 def to_take_over(job: str, copies: Sequence[HotCopy]) -> str | None:
     """The copy whose memory a new checkpoint of ``job`` takes over: the job's newest durable copy (the
-    cold tier holds it too, so a restore of it reads from there), or None when it has none. The new
-    checkpoint would make it go once durable anyway (:func:`after_durable`)."""
+    cold tier holds it too, so a restore of it reads from there), or None when it has none. A new
+    checkpoint would make it go once durable anyway (:func:`after_durable`); a hibernation is there to
+    free the job's memory, which that copy only holds more of."""
     durable = [copy for copy in copies if copy.job == job and copy.state == DURABLE]
     return max(durable, key=lambda copy: copy.created_at).id if durable else None
 
