@@ -49,6 +49,7 @@ from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, publish, s
 from torpor.adapters import system
 from torpor.adapters.criu import GHOST_LIMIT, NO_TCP_DUMP_OPTIONS, Criu
 from torpor.adapters.criuimage import read_dump_stats
+from torpor.adapters.imagestreamer import ImageStreamer
 from torpor.core.engine import Engine
 from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
@@ -147,9 +148,11 @@ class RawProcess:
             self.last_image = images
         return stats.frozen_s or wall, wall, size
 
-    def restore(self) -> float:
+    def restore(self, streamed: bool = False) -> float:
         """Restore the last (killing) dump with ``criu restore -d``; returns its wall time (CRIU's own, from
-        its log, goes to ``last_criu_s``)."""
+        its log, goes to ``last_criu_s``). ``streamed``: ``criu restore --stream``, every file served from
+        the folder by torpor's image streamer as it is (spliced, no copy, nothing verified): what CRIU's
+        stream mode itself costs, the mode torpor restores from its cold tier in."""
         images = self.last_image
         assert images is not None, "restore() follows a dump(leave_running=False)"
         pidfile = self.work / f"restore-{self.count}.pid"
@@ -157,17 +160,31 @@ class RawProcess:
             str(self.criu),
             "restore",
             "--images-dir",
-            str(images),
+            "." if streamed else str(images),
             "--log-file",
             str(self.work / f"restore-{self.count}.log"),
             "--restore-detached",
             "--pidfile",
             str(pidfile),
             *self._options(),
+            *(["--stream"] if streamed else []),
         ]
-        began = time.monotonic()
-        subprocess.run(command, check=True, stdin=subprocess.DEVNULL, capture_output=True)
-        wall = time.monotonic() - began
+        streamer = ImageStreamer(images) if streamed else None
+        if streamer is not None:
+            streamer.start()
+        try:
+            began = time.monotonic()
+            subprocess.run(
+                command,
+                check=True,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                cwd=images if streamed else None,
+            )
+            wall = time.monotonic() - began
+        finally:
+            if streamer is not None:
+                streamer.stop()
         self.last_criu_s = criu_log_seconds(self.work / f"restore-{self.count}.log")
         self.pid = int(pidfile.read_text().strip())
         self.restored = True
@@ -202,6 +219,8 @@ class TorporJob:
     def __init__(self, engine: Engine, name: str, command: list[str]) -> None:
         self.engine = engine
         self.name = name
+        #: the checkpoint kept (see ``checkpoint``): the job's last one, in RAM until the next takes it over
+        self.kept: str | None = None
         engine.run(name, command, str(HERE))
 
     def wait_ready(self, text: str = "ready") -> None:
@@ -215,8 +234,13 @@ class TorporJob:
         self.engine.ctx.store.delete(checkpoint_id)
         self.engine.records.delete_checkpoint(checkpoint_id)
 
-    def checkpoint(self, hibernate: bool) -> tuple[float, float, int, float]:
-        """(frozen s, wall s, image bytes, s until durable) of one checkpoint or hibernation."""
+    def checkpoint(self, hibernate: bool, keep: bool = False) -> tuple[float, float, int, float]:
+        """(frozen s, wall s, image bytes, s until durable) of one checkpoint or hibernation.
+
+        A checkpoint is deleted once measured, unless ``keep``: then it stays the job's last one (the one
+        kept before is deleted), and the job's next checkpoint writes its pages over that one's memory in
+        RAM, as a job's periodic checkpoints do. Without it there is no older copy, and each checkpoint
+        writes zeros over fresh memory before its freeze, as a job's first one does."""
         began = time.monotonic()
         checkpoint = self.engine.checkpoint(self.name, hibernate=hibernate)
         wall = time.monotonic() - began
@@ -228,6 +252,10 @@ class TorporJob:
         wait_for(lambda: not store.destager_running(), "the destager to go idle", 120)
         if hibernate:
             self.hibernated = checkpoint.id
+        elif keep:
+            if self.kept is not None:
+                self._forget(self.kept)
+            self.kept = checkpoint.id
         else:
             self._forget(checkpoint.id)
         return checkpoint.freeze_s, wall, checkpoint.size_bytes, durable
@@ -314,6 +342,8 @@ class MemoryResult:
     raw_restore_criu: Samples = field(default_factory=Samples)  # CRIU's own time, from its log
     #: raw restores while another process hashes 1 MiB pieces with BLAKE3, as torpor verifies what it reads
     raw_restore_busy: Samples = field(default_factory=Samples)
+    #: raw restores in CRIU's stream mode (``criu restore --stream``), the files spliced from the folder
+    raw_restore_streamed: Samples = field(default_factory=Samples)
     torpor_restore: Samples = field(default_factory=Samples)
     torpor_restore_spans: RestoreSpans = field(default_factory=RestoreSpans)
 
@@ -360,10 +390,13 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
             raw.dump(leave_running=False)
             with hashing_beside():
                 result.raw_restore_busy.add(raw.restore())
+            raw.dump(leave_running=False)
+            result.raw_restore_streamed.add(raw.restore(streamed=True))
             say(
                 f"  raw hibernate+restore {rep + 1}: frozen {result.raw_hib.freeze_s.values[-1]:.2f} s, "
                 f"restore {result.raw_restore.values[-1]:.2f} s; with a core hashing beside it "
-                f"{result.raw_restore_busy.values[-1]:.2f} s"
+                f"{result.raw_restore_busy.values[-1]:.2f} s; streamed "
+                f"{result.raw_restore_streamed.values[-1]:.2f} s"
             )
         wait_for(lambda: system.is_alive(raw.pid), "the raw workload to run after its restore", 10)
         raw.kill()
@@ -417,7 +450,10 @@ class TrainResult:
     load_s: Samples = field(default_factory=Samples)
     save_bytes: int = 0
     restart_s: Samples = field(default_factory=Samples)
+    #: the job's next checkpoints (each over its last one's memory in RAM)
     torpor_ckpt: DumpSamples = field(default_factory=DumpSamples)
+    #: the job's first checkpoint (no older copy: memory written with zeros before the freeze)
+    torpor_first: DumpSamples = field(default_factory=DumpSamples)
     raw_ckpt: DumpSamples = field(default_factory=DumpSamples)
     raw_hot_ckpt: DumpSamples = field(default_factory=DumpSamples)
     torpor_restore: Samples = field(default_factory=Samples)
@@ -457,12 +493,12 @@ def bench_training(engine: Engine, criu: Path, work: Path, hot: Path, repeat: in
     try:
         job.wait_ready()
         result.rss = job.rss()
-        job.checkpoint(hibernate=False)  # warm-up, not counted
+        result.torpor_first.add(*job.checkpoint(hibernate=False, keep=True))  # also the warm-up
         raw_dump_of(criu, work, job.pid(), "warm-up")
         for rep in range(repeat):
 
             def torpor_ckpt() -> None:
-                result.torpor_ckpt.add(*job.checkpoint(hibernate=False))
+                result.torpor_ckpt.add(*job.checkpoint(hibernate=False, keep=True))
 
             def raw_ckpt(tag: str = f"disk-{rep}") -> None:
                 result.raw_ckpt.add(*raw_dump_of(criu, work, job.pid(), tag))
@@ -576,7 +612,8 @@ def render(
         "what torpor itself adds can be told from where it writes.",
         "- **torpor** dumps into its hot tier (RAM): CRIU streams the image to it (`criu dump --stream`), "
         "the pages by reference, and torpor copies them there, for a checkpoint over memory it set aside "
-        "(wrote with zeros) before the freeze; then `put` commits the image (a rename); a "
+        "before the freeze (its job's last copy in RAM, or else zeros written then); then `put` commits "
+        "the image (a rename); a "
         "destager process then chunks, hashes, compresses and stores it in the cold tier on disk. *Durable* "
         "is the time until then (the benchmark waits for it, and for the destager to go idle, before the "
         "next measurement, so that its work does not land in someone else's numbers).",
@@ -624,14 +661,16 @@ def render(
         lines += [
             "",
             "| memory | restore: raw `criu restore -d` | restore: `torpor resume` | torpor / raw "
-            "| raw, one core hashing beside it | that / raw |",
-            "|---|---|---|---|---|---|",
+            "| raw, one core hashing beside it | that / raw | raw, streamed | that / raw | torpor / that |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for m in memory:
             lines.append(
                 f"| {m.size / GIB:g} GiB | {secs(m.raw_restore)} | {secs(m.torpor_restore)} | "
                 f"{ratio(m.torpor_restore, m.raw_restore)} | {secs(m.raw_restore_busy)} | "
-                f"{ratio(m.raw_restore_busy, m.raw_restore)} |"
+                f"{ratio(m.raw_restore_busy, m.raw_restore)} | {secs(m.raw_restore_streamed)} | "
+                f"{ratio(m.raw_restore_streamed, m.raw_restore)} | "
+                f"{ratio(m.torpor_restore, m.raw_restore_streamed)} |"
             )
         lines += [
             "",
@@ -639,6 +678,15 @@ def render(
             "cores that takes the core CRIU does not use. *Raw, one core hashing beside it* is the same "
             "raw restore while another process hashes 1 MiB pieces of memory with BLAKE3 on one core, "
             "nothing else: what sharing the machine with that work alone costs CRIU here.",
+            "",
+            "A hibernation's copy leaves RAM once durable (hibernating is for freeing memory), so "
+            "`torpor resume` reads the cold tier, in CRIU's stream mode: torpor reads each chunk into a "
+            "buffer of its own, verifies it and hands it to CRIU's pipe by reference. In that mode CRIU "
+            "reads the pages in its own process into memory it maps there, and moves that memory into the "
+            "job; without it, CRIU's restorer reads the file straight into place. *Raw, streamed* is the "
+            "raw restore in stream mode, each file spliced to CRIU from the folder as it is (no copy, "
+            "nothing verified): what the mode itself costs CRIU here; *torpor / that* is what torpor "
+            "adds to it.",
         ]
         lines += [
             "",
@@ -671,12 +719,21 @@ def render(
             "as torpor's cold tier, then `fsync`, and torpor's checkpoint until its destager made it "
             "durable (one `syncfs`); the second is compared with the first.",
             "",
+            "The torpor checkpoints measured are the job's next ones, as a job checkpointed every so often "
+            "takes them: its last checkpoint stays (the one before is deleted), so its copy in RAM is "
+            "there, and the new checkpoint writes its pages over that copy's memory; the destager stores "
+            "only the chunks that changed since (here nearly all of the weights and Adam's state). The "
+            "job's first checkpoint, with no older copy, writes zeros over fresh memory before its freeze "
+            "instead: its own row (one sample, also the warm-up).",
+            "",
             "| checkpoint | time | bytes | vs torch.save |",
             "|---|---|---|---|",
             f"| `torch.save` (model + optimizer state_dict) | {secs(train.save_s)} | "
             f"{train.save_bytes / GIB:.2f} GiB | 1.00× |",
             f"| torpor checkpoint: job frozen | {secs(train.torpor_ckpt.freeze_s)} | "
             f"{gib(train.torpor_ckpt.image_bytes.median)} | **{ratio(train.torpor_ckpt.freeze_s, train.save_s)}** |",
+            f"| the job's first torpor checkpoint: job frozen | {secs(train.torpor_first.freeze_s)} | "
+            f"{gib(train.torpor_first.image_bytes.median)} | {ratio(train.torpor_first.freeze_s, train.save_s)} |",
             f"| torpor checkpoint: total (job running again, image in the hot tier) | "
             f"{secs(train.torpor_ckpt.total_s)} | | {ratio(train.torpor_ckpt.total_s, train.save_s)} |",
             f"| `torch.save` + fsync: durable | {secs(train.save_fsync_s)} | "
@@ -684,6 +741,9 @@ def render(
             f"| torpor checkpoint: durable in the cold tier | {secs(train.torpor_ckpt.durable_s)} | | "
             f"{ratio(train.torpor_ckpt.durable_s, train.save_s)}; "
             f"**{ratio(train.torpor_ckpt.durable_s, train.save_fsync_s)} `torch.save` + fsync** |",
+            f"| the job's first torpor checkpoint: durable | {secs(train.torpor_first.durable_s)} | | "
+            f"{ratio(train.torpor_first.durable_s, train.save_s)}; "
+            f"{ratio(train.torpor_first.durable_s, train.save_fsync_s)} `torch.save` + fsync |",
             f"| raw `criu dump` of the same process: frozen | {secs(train.raw_ckpt.freeze_s)} | "
             f"{gib(train.raw_ckpt.image_bytes.median)} | {ratio(train.raw_ckpt.freeze_s, train.save_s)} |",
             f"| raw `criu dump` → RAM of the same process: frozen | {secs(train.raw_hot_ckpt.freeze_s)} | "
@@ -721,10 +781,11 @@ def render(
             m.torpor_ckpt.durable_s,
         )
         samples[f"{label} hibernate, frozen (raw / torpor)"] = (m.raw_hib.freeze_s, m.torpor_hib.freeze_s)
-        samples[f"{label} restore (raw / torpor / raw, one core hashing beside it)"] = (
+        samples[f"{label} restore (raw / torpor / raw, one core hashing beside it / raw, streamed)"] = (
             m.raw_restore,
             m.torpor_restore,
             m.raw_restore_busy,
+            m.raw_restore_streamed,
         )
         samples[f"{label} restore, CRIU's own run (raw / torpor)"] = (
             m.raw_restore_criu,
@@ -747,6 +808,11 @@ def render(
             train.torpor_ckpt.total_s,
             train.torpor_ckpt.durable_s,
             train.torpor_restore,
+        )
+        samples["training: the job's first torpor checkpoint, frozen / total / durable"] = (
+            train.torpor_first.freeze_s,
+            train.torpor_first.total_s,
+            train.torpor_first.durable_s,
         )
     lines += ["<details><summary>All samples (seconds)</summary>", ""]
     for what, groups in samples.items():

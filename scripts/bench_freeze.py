@@ -283,7 +283,8 @@ def bench_steadiness(engine: Engine, count: int) -> Steadiness:
         job.checkpoint(hibernate=False)  # warm-up
         for _ in range(count - count // 2):
             felt.skip()
-            frozen, total, _, _ = job.checkpoint(hibernate=False)  # returns once durable, the destager idle
+            # returns once durable, the destager idle; kept, so that the next takes over its memory in RAM
+            frozen, total, _, _ = job.checkpoint(hibernate=False, keep=True)
             result.spaced.frozen.add(frozen)
             result.spaced.total.add(total)
             result.spaced.felt.add(felt.largest())
@@ -325,7 +326,9 @@ def render_steadiness(steady: Steadiness) -> list[str]:
         "",
         f"`scripts/bench_train.py serve --tick` as a torpor job: the 84 M parameter MLP with Adam, a step "
         f"then 0.5 s of sleep, and a thread ticking every 5 ms. {len(felt)} checkpoints: the first "
-        f"{len(steady.spaced.felt.values)} each after the last was durable and the destager idle, the next "
+        f"{len(steady.spaced.felt.values)} each after the last was durable and the destager idle (each "
+        "kept, the one before deleted, as a job checkpointed every so often keeps its last: the next "
+        "writes its pages over that copy's memory in RAM), the next "
         f"{len(steady.back_to_back.felt.values)} back to back. *Felt* is the largest gap of the job's own "
         f"loop around each; without a checkpoint it felt at most {steady.quiet_s:.3f} s in 3 s.",
         "",
@@ -348,10 +351,11 @@ def render_steadiness(steady: Steadiness) -> list[str]:
         "such memory again costs a fault in the host (by hand: 2 GiB of fresh memory took 1.5–7.8 s to "
         "touch). A dump that writes its image into memory allocated as it goes, as a plain `criu dump` "
         "does, pays that while the job is frozen: back to back, with the last copies still in RAM, torpor "
-        "froze this job up to 8.6 s that way (docs/benchmarks.md before 2026-12-02). torpor now writes "
-        "the memory for each dump's pages before the freeze (a file of zeros as large as the job's "
-        "anonymous memory, in the hot tier) and CRIU streams the pages to torpor, which copies them over "
-        "it: the host's faults land in *total*, before the freeze, not in *frozen*.",
+        "froze this job up to 8.6 s that way (docs/benchmarks.md before 2026-12-02). torpor now has the "
+        "memory for each dump's pages before the freeze (the memory of the job's last copy in RAM, taken "
+        "over, where that copy is durable; else a file of zeros as large as the job's anonymous memory, "
+        "written then, in the hot tier) and CRIU streams the pages to torpor, which copies them over it: "
+        "the host's faults, if any, land in *total*, before the freeze, not in *frozen*.",
         "",
         "- felt, spaced: " + spread(steady.spaced.felt, 3),
         "- felt, back to back: " + spread(steady.back_to_back.felt, 3),
