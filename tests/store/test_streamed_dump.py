@@ -154,6 +154,20 @@ def test_each_file_is_written_under_its_name_and_a_process_s_pages_over_its_rese
     ]
 
 
+def test_pages_that_outgrow_their_reserved_memory_go_on_past_it(folder: Path) -> None:
+    """A process whose pages outgrew the memory set aside for it (measured before the dump) loses none."""
+    with ImageCapture(folder, reserve={7: MiB}, drain_timeout=1.0) as capture:
+        criu = ScriptedCriu(folder)
+        pages = os.urandom(2 * MiB + 12345)  # the job grew since its memory was measured
+        criu.send("pagemap-7.img", b"pagemap of 7")
+        criu.send("pages-1.img", pages)
+        criu.ask()
+        assert criu.verdict() == "complete"
+        criu.close()
+    assert (folder / "pages-1.img").read_bytes() == pages
+    assert capture.problem is None and not list(folder.glob(f"{RESERVE_PREFIX}*"))
+
+
 def test_the_question_is_answered_only_once_every_pipe_is_read_to_its_end(
     folder: Path, capture: ImageCapture
 ) -> None:
