@@ -338,6 +338,8 @@ class MemoryResult:
     torpor_ckpt: DumpSamples = field(default_factory=DumpSamples)
     raw_hib: DumpSamples = field(default_factory=DumpSamples)
     torpor_hib: DumpSamples = field(default_factory=DumpSamples)
+    #: hibernations right after a durable checkpoint, whose copy in RAM they take over
+    torpor_hib_taken: DumpSamples = field(default_factory=DumpSamples)
     raw_restore: Samples = field(default_factory=Samples)
     raw_restore_criu: Samples = field(default_factory=Samples)  # CRIU's own time, from its log
     #: raw restores while another process hashes 1 MiB pieces with BLAKE3, as torpor verifies what it reads
@@ -405,9 +407,14 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
         for rep in range(repeat):
             result.torpor_hib.add(*job.checkpoint(hibernate=True))
             result.torpor_restore.add(job.resume(result.torpor_restore_spans))
+            # as a job checkpointed every so often is hibernated: its last checkpoint is durable, in RAM
+            job.checkpoint(hibernate=False, keep=True)
+            result.torpor_hib_taken.add(*job.checkpoint(hibernate=True))
+            job.resume()
             say(
                 f"  torpor hibernate+resume {rep + 1}: frozen {result.torpor_hib.freeze_s.values[-1]:.2f} s, "
-                f"restore {result.torpor_restore.values[-1]:.2f} s"
+                f"restore {result.torpor_restore.values[-1]:.2f} s; right after a checkpoint: frozen "
+                f"{result.torpor_hib_taken.freeze_s.values[-1]:.2f} s"
             )
         wait_for(lambda: system.is_alive(job.pid()), "the torpor job to run after its resume", 10)
     finally:
@@ -637,7 +644,11 @@ def render(
             "`hibernate` stops it (no `--leave-running`) and it is then restored (`criu restore -d` / "
             "`torpor resume`); for these each side ran alone on the machine with its own process, so that "
             "neither paid for the other's memory (an image in torpor's RAM hot tier cannot be reclaimed "
-            "like page cache).",
+            "like page cache). *Hibernate* has no copy of the job in RAM to take over (its last "
+            "hibernation's went once durable), so its pages go into memory allocated as they come; "
+            "*hibernate after a checkpoint* follows a durable checkpoint of the job, as a job checkpointed "
+            "every so often is hibernated, and writes its pages over that checkpoint's copy in RAM "
+            "(raw CRIU's column is the same raw hibernation). Each hibernation is resumed before the next.",
             "",
             "| memory | operation | frozen: raw CRIU | frozen: raw CRIU → RAM | frozen: torpor "
             "| torpor / raw | torpor / raw → RAM | total: raw | total: torpor | durable: torpor "
@@ -649,6 +660,7 @@ def render(
             rows: tuple[tuple[str, DumpSamples, DumpSamples | None, DumpSamples], ...] = (
                 ("checkpoint", m.raw_ckpt, m.raw_hot_ckpt, m.torpor_ckpt),
                 ("hibernate", m.raw_hib, None, m.torpor_hib),
+                ("hibernate after a checkpoint", m.raw_hib, None, m.torpor_hib_taken),
             )
             for name, raw, hot, tor in rows:
                 lines.append(
@@ -780,7 +792,11 @@ def render(
             m.torpor_ckpt.total_s,
             m.torpor_ckpt.durable_s,
         )
-        samples[f"{label} hibernate, frozen (raw / torpor)"] = (m.raw_hib.freeze_s, m.torpor_hib.freeze_s)
+        samples[f"{label} hibernate, frozen (raw / torpor / torpor after a checkpoint)"] = (
+            m.raw_hib.freeze_s,
+            m.torpor_hib.freeze_s,
+            m.torpor_hib_taken.freeze_s,
+        )
         samples[f"{label} restore (raw / torpor / raw, one core hashing beside it / raw, streamed)"] = (
             m.raw_restore,
             m.torpor_restore,
