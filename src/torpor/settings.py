@@ -62,8 +62,9 @@ class Settings:
     #: into RAM first); off: the whole image is written into a restore folder, then CRIU reads it
     stream_restore: bool = True
     #: dump through ``criu dump --stream``: CRIU hands the pages to torpor by reference and torpor copies
-    #: them, for a checkpoint into memory set aside before the freeze (the job is frozen about half as
-    #: long here); off: CRIU writes every image file itself
+    #: them into memory set aside before the freeze (the job's last copy in RAM, or for a checkpoint
+    #: zeros written then; the job is frozen about half as long here); off: CRIU writes every image file
+    #: itself
     stream_dump: bool = True
     #: keep the CPUs out of slow idle states while CRIU dumps or restores (a PM QoS request of 0 µs on
     #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.cpu_wakeups_held`); off: leave them be

@@ -239,7 +239,8 @@ class ImageCapture(_Session):
     frozen: a hidden file written full of zeros, unless ``taken`` names a file in the folder that holds
     memory already (the pages of an older image of the same job, written over as they are). That
     process's pages file is written over it, cut to its length at its end (the rest given back) and only
-    then given its name: until then no reader of the folder sees it. A reservation that does not fit is
+    then given its name: until then no reader of the folder sees it. ``taken`` needs no ``reserve``
+    (a hibernation's: what it names is set aside, and nothing else). A reservation that does not fit is
     skipped (those pages take memory as they come). Files of ``taken`` no pages file used are removed
     when the capture stops.
     """

@@ -7,7 +7,7 @@ Order of a checkpoint::
     claim the job (running → checkpointing/hibernating)
     refuse what CRIU cannot dump before anything is frozen (io_uring)
     GPU stage: device state to host            ← adapters.gpu (no-op for CPU jobs)
-    memory set aside in the staging folder     (a checkpoint's: its last copy's in RAM, or zeros written now)
+    memory set aside in the staging folder     (its last copy's in RAM, or a checkpoint's zeros, written now)
     criu dump --stream, torpor writing it      (job frozen only here; retried as policy.retry says)
       into the store's staging folder
     GPU stage: give the device back (if the job keeps running)

@@ -13,7 +13,7 @@ the cold tier, state ``durable``):
   pages are written over that copy's, memory that is already there, instead of memory allocated (and,
   on a virtual machine whose host took free memory back, faulted in) for the new one.
 
-Both are pure: they work on the sizes and states they are given and return ids to drop. Measuring the
+All three are pure: they work on the sizes and states they are given and return ids. Measuring the
 tier, removing folders and logging are :class:`torpor.core.store.hot.HotTier`'s and the destager's.
 """
 
