@@ -13,7 +13,7 @@ import pytest
 
 from torpor.core.store import DURABLE
 from torpor.core.store.hot import HotTier
-from torpor.policy.hot import HotCopy, Room, Tier, after_durable, make_room, to_take_over
+from torpor.policy.hot import HotCopy, Room, Tier, after_durable, make_room, read_back_soon, to_take_over
 
 MiB = 1 << 20
 
@@ -49,6 +49,12 @@ def test_a_copy_whose_kind_is_unknown_is_not_a_hibernation() -> None:
 
 
 # -- making room ---------------------------------------------------------------------------------------
+
+
+def test_only_a_hibernation_is_read_back_from_the_cold_tier_soon() -> None:
+    assert read_back_soon(HotCopy("h", "job", "staged", created_at=5, kind="hibernate"))
+    assert not read_back_soon(_copy("c", 5, state="staged"))  # stays in RAM: a restore reads that
+    assert not read_back_soon(HotCopy("u", "job", "staged", created_at=5))  # unknown kind: kept in RAM
 
 
 def test_what_already_fits_drops_nothing() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +66,37 @@ def test_a_writer_object_appears_whole_at_commit_or_not_at_all(backend: Backend)
     assert set(backend.list("packs")) == {"packs/ab/abcd"}
 
 
+@pytest.mark.parametrize("size", [0, 1, 4095, 4097, (4 << 20) + 12345, 9 << 20])
+def test_an_object_written_around_the_cache_is_the_same_object(backend: Backend, size: int) -> None:
+    data = os.urandom(size)
+    writer = backend.writer("packs/ab/abcd", cache=False)
+    # parts of odd sizes: a header, then the rest in pieces that straddle any block or buffer
+    writer.write(b"hdr", memoryview(data)[: size // 3])
+    writer.write(memoryview(data)[size // 3 :])
+    assert not backend.exists("packs/ab/abcd")
+    writer.commit()
+    backend.sync()
+    assert backend.load("packs/ab/abcd") == b"hdr" + data
+    dropped = backend.writer("packs/cd/cdef", cache=False)
+    dropped.write(data)
+    dropped.abort()
+    assert set(backend.list("packs")) == {"packs/ab/abcd"}
+
+
+def test_parallel_writers_around_the_cache_keep_their_bytes_apart(backend: Backend) -> None:
+    def write(i: int) -> None:
+        writer = backend.writer(f"packs/{i:02x}/{i:04x}", cache=False)
+        for part in range(3):
+            writer.write(bytes([i]) * (1_500_000 + part * 4099))
+        writer.commit()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(16)))
+    backend.sync()
+    for i in range(16):
+        assert backend.load(f"packs/{i:02x}/{i:04x}") == bytes([i]) * (3 * 1_500_000 + 3 * 4099)
+
+
 def test_store_replaces_an_object(backend: Backend) -> None:
     backend.store("manifests/x", b"one")
     backend.store("manifests/x", b"two, longer")
@@ -96,6 +129,43 @@ def test_a_folder_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path: Pat
     assert 0.5 <= backend.in_memory("packs/aa/x", 0, 1 << 20) <= 1.0  # the kernel may read ahead
     backend.load("packs/aa/x")
     assert backend.in_memory("packs/aa/x", 0, 1 << 20) == 1.0
+
+
+def test_a_folder_writes_an_object_no_one_will_read_soon_around_the_page_cache(tmp_path: Path) -> None:
+    if not evict_from_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is a file system in memory")
+    backend = FolderBackend(tmp_path / "store")
+    data = os.urandom((3 << 20) + 5)
+    for name, cache in (("packs/aa/cached", True), ("packs/aa/around", False)):
+        writer = backend.writer(name, cache=cache)
+        writer.write(data)
+        writer.commit()
+    backend.sync()
+    assert backend.in_memory("packs/aa/cached", 0, len(data)) == 1.0
+    assert backend.in_memory("packs/aa/around", 0, len(data)) == 0.0  # on the disk only
+    assert backend.load("packs/aa/around") == data
+    assert oct((tmp_path / "store/packs/aa/around").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_folder_whose_file_system_refuses_a_direct_write_writes_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused: list[int] = []
+    write = os.write
+
+    def refuse_direct(fd: int, data: bytes | memoryview) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", refuse_direct)
+    backend = FolderBackend(tmp_path / "store")
+    data = os.urandom((5 << 20) + 7)
+    writer = backend.writer("packs/aa/x", cache=False)
+    writer.write(data)
+    writer.commit()
+    assert refused and backend.load("packs/aa/x") == data
 
 
 def test_delete(backend: Backend) -> None:

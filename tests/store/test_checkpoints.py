@@ -109,6 +109,42 @@ def test_a_second_checkpoint_stores_only_what_changed(torpor: Torpor, hot: Path)
     assert second["stored_bytes"] < first["stored_bytes"] / 8
 
 
+def cached_share(repo: Repository, checkpoint: str) -> float:
+    """The share of a checkpoint's stored memory pages that the page cache holds."""
+    repo.open().chunks.refresh()
+    cached = total = 0.0
+    for entry in (f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-")):
+        for chunk in {c for _, _, c in entry.extents if c}:
+            where = repo.chunks.get(chunk)
+            assert where is not None
+            cached += repo.backend.in_memory(*where) * where[2]
+            total += where[2]
+    return cached / total
+
+
+def test_only_a_hibernation_leaves_its_stored_memory_in_the_page_cache(torpor: Torpor, hot: Path) -> None:
+    """A checkpoint stays in RAM, where a restore reads it: its chunks go to the disk around the page
+    cache, not into memory a second time. A hibernation leaves RAM, and its resume reads the cold tier:
+    its chunks stay in the page cache."""
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(torpor.home)], capture_output=True, text=True)
+    if kind.stdout.strip() in ("tmpfs", "ramfs"):
+        pytest.skip("the cold tier is a file system in memory")
+    job = str(Path(__file__).parent / "jobs" / "memory_check.py")
+    for name in ("c", "h"):  # random memory of their own: neither's chunks are the other's
+        torpor.run("run", "--name", name, "--", sys.executable, "-u", job, "24")
+        torpor.wait_log(name, "digest")
+    checkpoint = torpor.json("checkpoint", "c", "--wait")["id"]
+    hibernated = torpor.json("hibernate", "h", "--wait")["id"]
+    repo = Repository(FolderBackend(torpor.home / "images"))
+    assert cached_share(repo, checkpoint) < 0.1
+    assert cached_share(repo, hibernated) > 0.9
+    assert (hot / checkpoint).is_dir()
+    digests = torpor.log("h").count("digest")
+    torpor.run("resume", "h")
+    torpor.wait_for(lambda: torpor.log("h").count("digest") > digests, what="h to go on after its resume")
+    assert len(set(re.findall(r"^digest (\w+)$", torpor.log("h"), re.M))) == 1  # its memory, whole
+
+
 def test_a_flipped_byte_is_refused_and_the_job_stays_hibernated(torpor: Torpor, hot: Path) -> None:
     torpor.run("run", "--name", "f", *python_job("counter.py"))
     torpor.wait_log("f", "step 3")

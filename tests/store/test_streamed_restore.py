@@ -193,7 +193,7 @@ def test_the_cold_tier_streams_pages_in_memory_from_its_own_thread_and_loads_pag
     staging = store.staging_dir("c1")
     write_image(staging, {BASE: data})
     expected = (staging / "pages-1.img").read_bytes()
-    store.put("c1", "job", staging, {})
+    store.put("c1", "job", staging, {"kind": "hibernate"})  # stored through the page cache: read back soon
     store.wait_durable("c1", timeout=60)
     store.hot.remove("c1")
     pools: list[ThreadPoolExecutor | None] = []

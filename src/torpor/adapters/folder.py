@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import mmap
 import os
 import threading
 import time
@@ -21,6 +23,11 @@ from pathlib import Path
 from torpor.adapters import system
 from torpor.adapters.objectstore import check_name
 from torpor.errors import ObjectNotFound, StorageFull, StoreError
+
+#: a direct writer's staging buffer: bytes gathered before one write that bypasses the page cache
+_DIRECT_BUFFER = 4 << 20
+#: what O_DIRECT asks of a write's memory, length and file offset (the largest logical block size)
+_DIRECT_ALIGN = 4096
 
 
 def _error(exc: OSError, what: str) -> StoreError:
@@ -46,6 +53,7 @@ class FolderBackend:
         self._dirty: set[Path] = set()  # folders that gained or lost an entry since the last sync
         self._unsynced: set[Path] = set()  # objects stored since the last sync
         self._lock = threading.Lock()
+        self._buffers: list[mmap.mmap] = []  # direct writers' staging buffers, lent again
 
     def _path(self, name: str) -> Path:
         return self.root / check_name(name)
@@ -64,8 +72,19 @@ class FolderBackend:
         finally:
             writer.abort()
 
-    def writer(self, name: str) -> _FileWriter:
-        return _FileWriter(self, name)
+    def writer(self, name: str, cache: bool = True) -> _FileWriter:
+        return _FileWriter(self, name) if cache else _DirectWriter(self, name)
+
+    def _staging(self) -> mmap.mmap:
+        """A page-aligned buffer for a direct writer: one used before (its memory is there), or a new one."""
+        with self._lock:
+            if self._buffers:
+                return self._buffers.pop()
+        return mmap.mmap(-1, _DIRECT_BUFFER)
+
+    def _give_back(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            self._buffers.append(buffer)
 
     def load(self, name: str) -> bytes:
         try:
@@ -247,3 +266,86 @@ class _FileWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._tmp.unlink(missing_ok=True)
+
+
+class _DirectWriter(_FileWriter):
+    """A :class:`_FileWriter` whose bytes go to the disk around the page cache (``O_DIRECT``).
+
+    For an object nothing will read soon: the page cache would hold a second copy of bytes that are
+    in RAM already (a checkpoint's image stays in the hot tier), pushing out pages others use, and
+    filling it means memory allocated for it (on a virtual machine, memory the host may first have to
+    fault in). The parts are gathered into a page-aligned buffer, written a buffer at a time; the last
+    one padded to a whole block, the file then cut to its size. On a file system that refuses
+    ``O_DIRECT`` it writes through the page cache, as :class:`_FileWriter` does.
+    """
+
+    def __init__(self, backend: FolderBackend, name: str) -> None:
+        super().__init__(backend, name)
+        self._buffer: mmap.mmap | None = None
+        self._fill = 0
+        self._direct = False
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:
+            return  # no O_DIRECT here: a plain writer
+        self._direct = True
+        self._buffer = backend._staging()
+
+    def write(self, *parts: bytes | memoryview) -> None:
+        if self._buffer is None:
+            super().write(*parts)
+            return
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    take = min(len(view), _DIRECT_BUFFER - self._fill)
+                    self._buffer[self._fill : self._fill + take] = view[:take]
+                    self._fill += take
+                    self._size += take
+                    view = view[take:]
+                    if self._fill == _DIRECT_BUFFER:
+                        self._flush(_DIRECT_BUFFER)
+        except OSError as exc:
+            self.abort()
+            raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+
+    def _flush(self, length: int) -> None:
+        assert self._buffer is not None
+        with memoryview(self._buffer) as whole:
+            done = 0
+            while done < length:
+                try:
+                    done += os.write(self._fd, whole[done:length])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self._direct:
+                        raise
+                    # the file system took O_DIRECT, then refused this write (its alignment is not
+                    # ours): the rest goes through the page cache
+                    fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    self._direct = False
+        self._fill = 0
+
+    def commit(self) -> None:
+        if self._buffer is not None and self._open:
+            try:
+                if self._fill:
+                    padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                    self._buffer[self._fill : padded] = bytes(padded - self._fill)
+                    self._flush(padded)
+                os.ftruncate(self._fd, self._size)
+            except OSError as exc:
+                self.abort()
+                raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+            finally:
+                self._release()
+        super().commit()
+
+    def abort(self) -> None:
+        self._release()
+        super().abort()
+
+    def _release(self) -> None:
+        if self._buffer is not None:
+            self._backend._give_back(self._buffer)
+            self._buffer = None

@@ -114,8 +114,9 @@ class S3Backend:
         except botocore.exceptions.BotoCoreError as exc:
             raise self._error(exc, name) from exc
 
-    def writer(self, name: str) -> _PutWriter:
-        """Parts are kept in memory and stored with one PUT at ``commit`` (a pack is some MiB)."""
+    def writer(self, name: str, cache: bool = True) -> _PutWriter:
+        """Parts are kept in memory and stored with one PUT at ``commit`` (a pack is some MiB); there is
+        no cache here to write around (``cache`` is for backends with one)."""
         return _PutWriter(self, name)
 
     def exists(self, name: str) -> bool:

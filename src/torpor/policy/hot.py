@@ -1,7 +1,7 @@
 """Which images leave the hot tier, and when: RAM is for the job, the next dump and a fast restore.
 
-Two decisions, both about copies of images in RAM that are no longer the only copy (their manifest is in
-the cold tier, state ``durable``):
+Four decisions about copies of images in RAM; the first three about copies that are no longer the only
+one (their manifest is in the cold tier, state ``durable``):
 
 * :func:`after_durable` — once an image became durable, which hot copies go: a hibernation's own
   (hibernating is for freeing memory), else the older durable copies of the same job (a restore wants a
@@ -12,8 +12,10 @@ the cold tier, state ``durable``):
 * :func:`to_take_over` — which copy gives its memory to a new checkpoint or hibernation of its job: its
   pages are written over that copy's, memory that is already there, instead of memory allocated (and,
   on a virtual machine whose host took free memory back, faulted in) for the new one.
+* :func:`read_back_soon` — whether the cold tier's copy of an image will be read soon, so that storing
+  it should leave its bytes in the page cache: only where the RAM copy goes once durable.
 
-All three are pure: they work on the sizes and states they are given and return ids. Measuring the
+All four are pure: they work on the sizes and states they are given and return ids. Measuring the
 tier, removing folders and logging are :class:`torpor.core.store.hot.HotTier`'s and the destager's.
 """
 
@@ -87,6 +89,18 @@ def to_take_over(job: str, copies: Sequence[HotCopy]) -> str | None:
     free the job's memory, which that copy only holds more of."""
     durable = [copy for copy in copies if copy.job == job and copy.state == DURABLE]
     return max(durable, key=lambda copy: copy.created_at).id if durable else None
+
+
+def read_back_soon(copy: HotCopy) -> bool:
+    """Whether the cold tier's copy of ``copy`` will be read soon after it is stored.
+
+    A hibernation's will: its RAM copy goes once durable (:func:`after_durable`), and its resume reads
+    the cold tier, at the speed of memory while the page cache still holds what was written. Any
+    other checkpoint stays in RAM as its job's newest copy, which a restore reads; written through the
+    page cache, its bytes would be there twice, pushing out pages others use, in memory allocated for
+    them (on a virtual machine whose host took free memory back, faulted in page by page).
+    """
+    return copy.id in after_durable(copy, ())
 
 
 def make_room(tier: Tier, need: int) -> Room:

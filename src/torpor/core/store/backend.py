@@ -62,8 +62,11 @@ class Backend(Protocol):
         """The share of these bytes of object ``name`` that a load would get without waiting for a disk
         or a network (a folder's file in the page cache): 0.0 to 1.0, 0.0 when unsure. Never fails."""
 
-    def writer(self, name: str) -> ObjectWriter:
-        """A new object ``name``, written in parts; it exists once :meth:`ObjectWriter.commit` returns."""
+    def writer(self, name: str, cache: bool = True) -> ObjectWriter:
+        """A new object ``name``, written in parts; it exists once :meth:`ObjectWriter.commit` returns.
+
+        ``cache=False``: nothing will read it soon, so a backend with a cache of its own (a folder's page
+        cache) may write it around that cache."""
 
     def exists(self, name: str) -> bool: ...
 

@@ -66,6 +66,7 @@ def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None =
             progress=progress,
             skip=lambda name: name not in record.files,
             prestored=prestored,
+            cache=hot_policy.read_back_soon(as_copy(record)),
         )
     if hot.record(record.id) is None:  # deleted while we stored it
         repo.delete(record.id)

@@ -141,9 +141,9 @@ class ChunkMap:
 
 
 class _OpenPack:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, cache: bool) -> None:
         self.id = uuid.uuid4().hex
-        self.writer = backend.writer(pack_name(self.id))
+        self.writer = backend.writer(pack_name(self.id), cache=cache)
         self.size = 0
         self.entries: list[PackEntry] = []
 
@@ -154,11 +154,15 @@ class Packs:
     :meth:`add` appends a chunk's stored object to the calling thread's pack and commits the pack once
     it reaches ``pack_size``. :meth:`finish` commits the packs still open, stores the index (nothing can
     read the packs before that) and tells ``chunks`` of it; :meth:`abort` drops the open ones (committed
-    ones without an index are left to gc).
+    ones without an index are left to gc). ``cache=False``: the packs will not be read soon, and may be
+    written around the backend's cache (:meth:`Backend.writer`).
     """
 
-    def __init__(self, backend: Backend, codec: Codec, pack_size: int, chunks: ChunkMap) -> None:
+    def __init__(
+        self, backend: Backend, codec: Codec, pack_size: int, chunks: ChunkMap, cache: bool = True
+    ) -> None:
         self._backend = backend
+        self._cache = cache
         self._codec = codec
         self._pack_size = pack_size
         self._chunks = chunks
@@ -171,7 +175,7 @@ class Packs:
     def add(self, chunk: ChunkId, *parts: bytes | memoryview) -> None:
         pack: _OpenPack | None = getattr(self._local, "pack", None)
         if pack is None:
-            pack = self._local.pack = _OpenPack(self._backend)
+            pack = self._local.pack = _OpenPack(self._backend, self._cache)
             with self._guard:
                 self._open.append(pack)
         length = sum(len(part) for part in parts)

@@ -107,13 +107,13 @@ class Repository:
     #: store what CRIU has written of a dump in progress (:func:`~torpor.core.store.prestore.prestore`)
     prestore = _prestore.prestore
 
-    def packs(self) -> Packs:
-        """New packs for this store, which tell :attr:`chunks` of their index."""
-        return Packs(self.backend, self.codec, self.pack_size, self.chunks)
+    def packs(self, cache: bool = True) -> Packs:
+        """New packs for this store, which tell :attr:`chunks` of their index (``cache``: see :class:`Packs`)."""
+        return Packs(self.backend, self.codec, self.pack_size, self.chunks, cache)
 
-    def storer(self) -> Storer:
+    def storer(self, cache: bool = True) -> Storer:
         """A writing session's deduplicating chunk storer (call it under the writers' lock)."""
-        return Storer(self.stored_chunks(), self.codec, self.chunk_size, self.packs())
+        return Storer(self.stored_chunks(), self.codec, self.chunk_size, self.packs(cache))
 
     # -- reading --------------------------------------------------------------------------------------
 

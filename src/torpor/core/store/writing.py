@@ -37,11 +37,13 @@ def write_image(
     progress: ProgressFn = no_progress,
     skip: Callable[[str], bool] = lambda _: False,
     prestored: Prestored | None = None,
+    cache: bool = True,
 ) -> Manifest:
     """Store the image in ``image_dir`` as checkpoint ``checkpoint_id``; the manifest goes last.
 
     ``prestored``: what :meth:`~torpor.core.store.repository.Repository.prestore` did while CRIU wrote
-    this image. A file of the image that vanished raises FileNotFoundError (the image was deleted
+    this image. ``cache=False``: nothing will read the chunks back soon (the image stays in RAM), so
+    they may be written around the backend's cache (:meth:`Backend.writer`). A file of the image that vanished raises FileNotFoundError (the image was deleted
     meanwhile).
     """
     prestored = prestored or Prestored()
@@ -55,7 +57,7 @@ def write_image(
         from_memory = dict(prestored.memory)
 
         with repo.lock.hold(SHARED, timeout=600) as held:
-            storer = repo.storer()
+            storer = repo.storer(cache)
 
             def one(view: memoryview, name: str, offset: int, length: int) -> Extent:
                 data = view[offset : offset + length]
