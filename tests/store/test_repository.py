@@ -73,6 +73,24 @@ def test_compressible_data_is_compressed_and_random_data_is_not_inflated(
     assert noise.sizes["new_bytes"] < 4 * MiB * 1.01
 
 
+def test_data_that_compresses_by_less_than_an_eighth_is_stored_raw(backend: Backend, tmp_path: Path) -> None:
+    """Like model weights (5-10 %): compressing costs more CPU than the bytes it saves, twice."""
+    repo = Repository(backend)
+    slight, half = bytearray(_random(4 * MiB)), bytearray(_random(4 * MiB))
+    slight[::8] = bytes(len(slight) // 8)  # zstd saves ~5 %
+    half[::2] = bytes(len(half) // 2)  # zstd saves ~38 %
+    stored = {
+        name: repo.write(name, "job", write_image(tmp_path / name, {BASE: bytes(data)}), {}).sizes[
+            "new_bytes"
+        ]
+        for name, data in (("slight", slight), ("half", half))
+    }
+    assert stored["slight"] >= 4 * MiB
+    assert stored["half"] < 4 * MiB * 0.7
+    repo.read("slight", tmp_path / "out")
+    assert same_files(tmp_path / "slight", tmp_path / "out")
+
+
 def _first_chunk(repo: Repository, checkpoint_id: str) -> str:
     manifest = repo.manifest(checkpoint_id)
     pages = next(f for f in manifest.files if f.name.startswith("pages-"))
