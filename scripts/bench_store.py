@@ -558,9 +558,9 @@ def main() -> int:
         "gathers the pages, one idle-priority thread "
         "reads the pages CRIU will dump from the job itself and stores them as chunks; while CRIU writes, "
         "another stores the pieces already written. When the dump ends the destager hashes every piece "
-        "of the image (finding those chunks stored), compresses and appends the others to ~32 MiB pack "
-        "files, their writeback starting at once, and makes them durable with one syncfs before the "
-        "manifest goes in. Both sides write the same 1 GiB to this disk (random memory does not "
+        "of the image (finding those chunks stored), compresses (where that saves an eighth) and appends "
+        "the others to ~32 MiB pack files, written around the page cache (the image of a checkpoint "
+        "stays in RAM), and makes them durable with one syncfs before the manifest goes in. Both sides write the same 1 GiB to this disk (random memory does not "
         "compress); torpor first dumps into RAM.",
         "- *Restore*, hot tier: the image is linked into the restore folder; everything but the memory "
         "pages is verified before CRIU starts, the pages while CRIU reads them, and a CRIU action script "
