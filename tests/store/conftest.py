@@ -137,6 +137,12 @@ def drop_chunk(repo: Repository, chunk: str) -> None:
     repo.backend.delete(repo.locate(chunk)[0])
 
 
+def in_memory_only(root: Path) -> bool:
+    """Whether ``root`` is on a file system that keeps files in memory only (tmpfs): no page cache to leave."""
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(root)], capture_output=True, text=True, check=True)
+    return kind.stdout.strip() in ("tmpfs", "ramfs")
+
+
 def evict_from_memory(root: Path) -> bool:
     """Write every file under ``root`` to disk and drop it from the page cache; False where the file
     system keeps files in memory only (tmpfs), so that nothing could be dropped.
@@ -145,8 +151,7 @@ def evict_from_memory(root: Path) -> bool:
     drop it: it is asked again until ``mincore`` finds no page of the file in memory (a read, even one
     that must not wait, would start reading the file again).
     """
-    kind = subprocess.run(["stat", "-f", "-c", "%T", str(root)], capture_output=True, text=True, check=True)
-    if kind.stdout.strip() in ("tmpfs", "ramfs"):
+    if in_memory_only(root):
         return False
     for path in (p for p in root.rglob("*") if p.is_file() and p.stat().st_size):
         fd = os.open(path, os.O_RDONLY)

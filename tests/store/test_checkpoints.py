@@ -21,7 +21,7 @@ from torpor.adapters.folder import FolderBackend
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings
 
-from .conftest import drop_chunk, flip_chunk_bit
+from .conftest import drop_chunk, flip_chunk_bit, in_memory_only
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -126,15 +126,14 @@ def test_only_a_hibernation_leaves_its_stored_memory_in_the_page_cache(torpor: T
     """A checkpoint stays in RAM, where a restore reads it: its chunks go to the disk around the page
     cache, not into memory a second time. A hibernation leaves RAM, and its resume reads the cold tier:
     its chunks stay in the page cache."""
-    kind = subprocess.run(["stat", "-f", "-c", "%T", str(torpor.home)], capture_output=True, text=True)
-    if kind.stdout.strip() in ("tmpfs", "ramfs"):
-        pytest.skip("the cold tier is a file system in memory")
     job = str(Path(__file__).parent / "jobs" / "memory_check.py")
     for name in ("c", "h"):  # random memory of their own: neither's chunks are the other's
         torpor.run("run", "--name", name, "--", sys.executable, "-u", job, "24")
         torpor.wait_log(name, "digest")
     checkpoint = torpor.json("checkpoint", "c", "--wait")["id"]
     hibernated = torpor.json("hibernate", "h", "--wait")["id"]
+    if in_memory_only(torpor.home / "images"):
+        pytest.skip("the cold tier is a file system in memory")
     repo = Repository(FolderBackend(torpor.home / "images"))
     assert cached_share(repo, checkpoint) < 0.1
     assert cached_share(repo, hibernated) > 0.9
