@@ -15,8 +15,9 @@ one (their manifest is in the cold tier, state ``durable``):
 * :func:`read_back_soon` — whether the cold tier's copy of an image will be read soon, so that storing
   it should leave its bytes in the page cache: only where the RAM copy goes once durable.
 
-All four are pure: they work on the sizes and states they are given and return ids. Measuring the
-tier, removing folders and logging are :class:`torpor.core.store.hot.HotTier`'s and the destager's.
+All four are pure: they work on the sizes, states and kinds they are given and return ids (or, for
+:func:`read_back_soon`, a yes or no). Measuring the tier, removing folders and logging are
+:class:`torpor.core.store.hot.HotTier`'s and the destager's.
 """
 
 from __future__ import annotations

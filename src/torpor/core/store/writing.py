@@ -43,8 +43,8 @@ def write_image(
 
     ``prestored``: what :meth:`~torpor.core.store.repository.Repository.prestore` did while CRIU wrote
     this image. ``cache=False``: nothing will read the chunks back soon (the image stays in RAM), so
-    they may be written around the backend's cache (:meth:`Backend.writer`). A file of the image that vanished raises FileNotFoundError (the image was deleted
-    meanwhile).
+    they may be written around the backend's cache (:meth:`Backend.writer`). A file of the image that
+    vanished raises FileNotFoundError (the image was deleted meanwhile).
     """
     prestored = prestored or Prestored()
     try:
