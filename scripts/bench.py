@@ -618,8 +618,8 @@ def render(
         f"- **raw CRIU → RAM** dumps into the file system of torpor's hot tier ({places['hot']}), so that "
         "what torpor itself adds can be told from where it writes.",
         "- **torpor** dumps into its hot tier (RAM): CRIU streams the image to it (`criu dump --stream`), "
-        "the pages by reference, and torpor copies them there, for a checkpoint over memory it set aside "
-        "before the freeze (its job's last copy in RAM, or else zeros written then); then `put` commits "
+        "the pages by reference, and torpor copies them there, for a checkpoint into memory it set aside "
+        "and mapped before the freeze (its job's last copy in RAM, or else zeros written then); then `put` commits "
         "the image (a rename); a "
         "destager process then chunks, hashes, compresses and stores it in the cold tier on disk. *Durable* "
         "is the time until then (the benchmark waits for it, and for the destager to go idle, before the "

@@ -439,8 +439,8 @@ def render(
         lines.append(
             f"What torpor's freeze is made of at {r.size / GIB:g} GiB: CRIU's memory pages step is "
             f"{pages:.2f} s of the {frozen:.2f} s its profiled dump was frozen ({pages / frozen:.0%}): CRIU "
-            "handing each page to torpor by reference while torpor copies it into memory set aside before "
-            f"the freeze ({r.size / GIB / pages:.1f} GiB/s here); the post-dump wait for the last pages "
+            "handing each page to torpor by reference while torpor reads it into memory set aside and "
+            f"mapped before the freeze ({r.size / GIB / pages:.1f} GiB/s here); the post-dump wait for the last pages "
             f"took {tail * 1000:.0f} ms. The rest of the command ({r.torpor.total.median:.2f} s in all, "
             "median) is spent before and after the freeze: mostly writing the memory set aside, at the "
             "speed this virtual machine gives memory it took back from its host (each measured checkpoint "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -166,6 +167,49 @@ def test_pages_that_outgrow_their_reserved_memory_go_on_past_it(folder: Path) ->
         criu.close()
     assert (folder / "pages-1.img").read_bytes() == pages
     assert capture.problem is None and not list(folder.glob(f"{RESERVE_PREFIX}*"))
+
+
+def resident(path: Path) -> int | None:
+    """Bytes of file ``path`` mapped into this process and resident in it (None: not mapped)."""
+    mapped, ours = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line, its file's path at the end
+            ours = line.endswith(f" {path}")
+            mapped = 0 if ours and mapped is None else mapped
+        elif ours and line.startswith("Rss:"):
+            mapped = (mapped or 0) + int(line.split()[1]) * 1024
+    return mapped
+
+
+def test_memory_set_aside_is_mapped_with_every_page_in_place_before_the_dump(folder: Path) -> None:
+    """The pages are read from the pipe into memory mapped before the freeze (a copy with no fault and
+    no page lookup while the job is frozen): the reservation, and an older copy's file taken over, which
+    is written over in place."""
+    older = folder / "older-pages.img"
+    older.write_bytes(os.urandom(2 * MiB))
+    inode = older.stat().st_ino
+    with ImageCapture(folder, reserve={8: MiB}, taken={7: older}, drain_timeout=1.0) as capture:
+        assert resident(older) == 2 * MiB
+        assert resident(folder / f"{RESERVE_PREFIX}8") == MiB
+        criu = ScriptedCriu(folder)
+        pages = {1: os.urandom(MiB + 4096), 2: os.urandom(MiB // 2)}
+        for pid, number in ((7, 1), (8, 2)):
+            criu.send(f"pagemap-{pid}.img", b"pagemap")
+            criu.send(f"pages-{number}.img", pages[number])
+        criu.ask()
+        assert criu.verdict() == "complete"
+        criu.close()
+    assert capture.problem is None
+    for number, data in pages.items():
+        assert (folder / f"pages-{number}.img").read_bytes() == data
+        assert resident(folder / f"pages-{number}.img") is None  # unmapped once read
+    assert (folder / "pages-1.img").stat().st_ino == inode
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "pagemap-7.img",
+        "pagemap-8.img",
+        "pages-1.img",
+        "pages-2.img",
+    ]
 
 
 def test_the_question_is_answered_only_once_every_pipe_is_read_to_its_end(

@@ -42,6 +42,7 @@ import array
 import contextlib
 import fcntl
 import logging
+import mmap
 import os
 import re
 import select
@@ -237,9 +238,12 @@ class ImageCapture(_Session):
     core is free while CRIU's goes on gathering pages). ``reserve``: bytes of memory to set aside for the
     pages of each process (by its PID in the job's namespace) in :meth:`start`, before anything is
     frozen: a hidden file written full of zeros, unless ``taken`` names a file in the folder that holds
-    memory already (the pages of an older image of the same job, written over as they are). That
-    process's pages file is written over it, cut to its length at its end (the rest given back) and only
-    then given its name: until then no reader of the folder sees it. ``taken`` needs no ``reserve``
+    memory already (the pages of an older image of the same job, written over as they are). Memory set
+    aside is also mapped into this process then, every page of it (``MAP_POPULATE``), and that process's
+    pages are read from the pipe straight into the mapping: a plain copy, about twice as fast here as
+    ``splice`` into a tmpfs file, which looks up and locks each page of the file as it writes it. The
+    pages file is cut to its length at its end (the rest given back) and only then given its name:
+    until then no reader of the folder sees it. ``taken`` needs no ``reserve``
     (a hibernation's: what it names is set aside, and nothing else). A reservation that does not fit is
     skipped (those pages take memory as they come). Files of ``taken`` no pages file used are removed
     when the capture stops.
@@ -260,7 +264,8 @@ class ImageCapture(_Session):
         self.captured: list[str] = []
         self._wanted = {pid: -(-size // _PAGE) * _PAGE for pid, size in (reserve or {}).items() if size > 0}
         self._taken = dict(taken or {})
-        self._reserves: dict[int, Path] = {}  # namespace pid -> its reserved file, not taken yet
+        self._reserves: dict[int, _SetAside] = {}  # namespace pid -> its memory, not taken yet
+        self._mapped: list[_SetAside] = []  # all of it, unmapped at stop (after the job runs again)
         self._last_pagemap: int | None = None
         self._open: set[str] = set()
         self._errors: list[str] = []
@@ -293,7 +298,7 @@ class ImageCapture(_Session):
     def start(self) -> None:
         for pid, path in self._taken.items():
             if path.is_file() and not path.is_symlink():
-                self._reserves[pid] = path
+                self._reserves[pid] = self._map(path)
         for pid, size in self._wanted.items():
             if pid not in self._reserves:
                 self._reserve(pid, size)
@@ -304,8 +309,12 @@ class ImageCapture(_Session):
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking files; wait (at most ``timeout`` seconds) for the readers; remove torpor's own files
         and the reservations no pages file took. Idempotent."""
-        leftovers = (self.ask, self.verdict, *self._reserves.values(), *self._taken.values())
-        self._close(timeout, files=leftovers, fds=(self._ask_fd,))
+        unused = (memory.path for memory in self._reserves.values())
+        self._close(
+            timeout, files=(self.ask, self.verdict, *unused, *self._taken.values()), fds=(self._ask_fd,)
+        )
+        for memory in self._mapped:
+            memory.unmap()
 
     # -- before the dump ----------------------------------------------------------------------------------
 
@@ -324,7 +333,12 @@ class ImageCapture(_Session):
             return
         finally:
             os.close(fd)
-        self._reserves[pid] = path
+        self._reserves[pid] = self._map(path)
+
+    def _map(self, path: Path) -> _SetAside:
+        memory = _SetAside.map(path)
+        self._mapped.append(memory)
+        return memory
 
     # -- serving ----------------------------------------------------------------------------------------
 
@@ -368,25 +382,26 @@ class ImageCapture(_Session):
         self._spawn(f"capture {name}", self._read, name, fd, reserve)
         return True
 
-    def _read(self, name: str, pipe: int, reserve: Path | None) -> None:
+    def _read(self, name: str, pipe: int, reserve: _SetAside | None) -> None:
         """Read file ``name`` from ``pipe`` to its end: into ``reserve``, then cut and named, if given."""
         path = self.folder / name
         try:
             out = system.open_private(
-                reserve or path, os.O_WRONLY | os.O_CREAT | (0 if reserve else os.O_TRUNC)
+                reserve.path if reserve else path, os.O_WRONLY | os.O_CREAT | (0 if reserve else os.O_TRUNC)
             )
             try:
-                written = 0
+                written = reserve.fill(pipe) if reserve else 0
+                os.lseek(out, written, os.SEEK_SET)  # past what the mapping held: written as it comes
                 while moved := os.splice(pipe, out, PIPE_BYTES):
                     written += moved
                 if reserve is not None:
                     os.ftruncate(out, written)
-                    os.rename(reserve, path)
+                    os.rename(reserve.path, path)
             finally:
                 os.close(out)
         except OSError as exc:
             if reserve is not None:
-                reserve.unlink(missing_ok=True)
+                reserve.path.unlink(missing_ok=True)
             with self._cond:
                 self._errors.append(f"writing {name}: {exc.strerror or exc}")
         finally:
@@ -410,6 +425,51 @@ class ImageCapture(_Session):
         tmp = self.verdict.with_name(f"{self.verdict.name}.tmp")
         system.write_private(tmp, (verdict + "\n").encode())
         os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
+
+
+class _SetAside:
+    """A file of memory set aside for one process's pages, and (unless mapping it failed) that memory
+    mapped into this process, every page of it, before the freeze."""
+
+    def __init__(self, path: Path, memory: mmap.mmap | None) -> None:
+        self.path = path
+        self._memory = memory
+
+    @classmethod
+    def map(cls, path: Path) -> _SetAside:
+        """Map the file ``path`` with its pages in place (or leave it unmapped, to be written with
+        ``splice``: a file of 0 bytes, or no room for the mapping)."""
+        try:
+            fd = system.open_private(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                memory = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE) if size else None
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            log.debug("memory set aside in %s not mapped: %s", path.name, exc)
+            memory = None
+        return cls(path, memory)
+
+    def fill(self, pipe: int) -> int:
+        """Read ``pipe`` into the mapping until its end or the mapping's; returns the bytes read."""
+        if self._memory is None:
+            return 0
+        view = memoryview(self._memory)
+        filled = 0
+        try:
+            while filled < len(view) and (moved := os.readv(pipe, [view[filled : filled + PIPE_BYTES]])):
+                filled += moved
+        finally:
+            view.release()
+        return filled
+
+    def unmap(self) -> None:
+        """Unmap the memory (not while the job is frozen: it holds this process's memory map ~60 ms per
+        GiB, and with it any thread that takes a page fault, the one answering CRIU's question too)."""
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
 
 
 def _listen(folder: Path, name: str) -> socket.socket:
