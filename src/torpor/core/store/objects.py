@@ -6,8 +6,9 @@
 
 ``digest`` is BLAKE3 of the plaintext — keyed with a key derived from the encryption key when the store
 is encrypted, so that chunk names reveal nothing about memory contents to whoever can list the bucket.
-The payload is the plaintext, zstd-compressed (level -1) when that saves at least 12.5 %, then, when encrypted,
-sealed with AES-256-GCM with the header as associated data (a header cannot be swapped or edited).
+The payload is the plaintext, zstd-compressed (level -1) when that saves at least 12.5 %, then, when
+encrypted, sealed with AES-256-GCM with the header as associated data (a header cannot be swapped or
+edited).
 
 :meth:`Codec.decode` checks everything: magic, sizes, authentication, and the digest of the plaintext —
 against the object's name for chunks (invariant 4 of DESIGN.md: every byte read back is verified).
