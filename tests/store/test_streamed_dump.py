@@ -202,7 +202,7 @@ def test_memory_set_aside_is_mapped_with_every_page_in_place_before_the_dump(fol
     assert capture.problem is None
     for number, data in pages.items():
         assert (folder / f"pages-{number}.img").read_bytes() == data
-        assert resident(folder / f"pages-{number}.img") is None  # unmapped once read
+        assert resident(folder / f"pages-{number}.img") is None  # unmapped once the dump is over
     assert (folder / "pages-1.img").stat().st_ino == inode
     assert sorted(p.name for p in folder.iterdir()) == [
         "pagemap-7.img",
