@@ -243,8 +243,12 @@ class _FileWriter:
                     self._size += written
             system.start_writeback(self._fd, began, self._size - began)
         except OSError as exc:
-            self.abort()
-            raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: OSError) -> StoreError:
+        """Drop the object; returns the error to raise for ``exc``."""
+        self.abort()
+        return _error(exc, f"cannot write {self._name} in {self._backend.root}")
 
     def commit(self) -> None:
         if not self._open:
@@ -285,7 +289,7 @@ class _DirectWriter(_FileWriter):
         self._fill = 0
         self._direct = False
         try:
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
+            _direct_io(self._fd, True)
         except OSError:
             return  # no O_DIRECT here: a plain writer
         self._direct = True
@@ -307,8 +311,7 @@ class _DirectWriter(_FileWriter):
                     if self._fill == _DIRECT_BUFFER:
                         self._flush(_DIRECT_BUFFER)
         except OSError as exc:
-            self.abort()
-            raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+            raise self._failed(exc) from exc
 
     def _flush(self, length: int) -> None:
         assert self._buffer is not None
@@ -322,7 +325,7 @@ class _DirectWriter(_FileWriter):
                         raise
                     # the file system took O_DIRECT, then refused this write (its alignment is not
                     # ours): the rest goes through the page cache
-                    fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    _direct_io(self._fd, False)
                     self._direct = False
         self._fill = 0
 
@@ -335,8 +338,7 @@ class _DirectWriter(_FileWriter):
                     self._flush(padded)
                 os.ftruncate(self._fd, self._size)
             except OSError as exc:
-                self.abort()
-                raise _error(exc, f"cannot write {self._name} in {self._backend.root}") from exc
+                raise self._failed(exc) from exc
             finally:
                 self._release()
         super().commit()
@@ -349,3 +351,9 @@ class _DirectWriter(_FileWriter):
         if self._buffer is not None:
             self._backend._give_back(self._buffer)
             self._buffer = None
+
+
+def _direct_io(fd: int, on: bool) -> None:
+    """Turn ``O_DIRECT`` on or off for the open file ``fd``."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
