@@ -49,14 +49,30 @@ class OpenFile:
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
+    byte = buf[pos]
+    if byte < 0x80:  # most keys and small numbers: one byte
+        return byte, pos + 1
+    result, shift = byte & 0x7F, 7
     while True:
-        byte = buf[pos]
         pos += 1
+        byte = buf[pos]
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result, pos
+            return result, pos + 1
         shift += 7
+
+
+def _value(buf: bytes, pos: int, wire: int) -> tuple[int | bytes, int]:
+    """The value of wire type ``wire`` at ``pos``, and where the next key begins."""
+    if wire == 0:
+        return _varint(buf, pos)
+    if wire == 2:
+        length, pos = _varint(buf, pos)
+        return buf[pos : pos + length], pos + length
+    if wire in (1, 5):
+        width = 8 if wire == 1 else 4
+        return int.from_bytes(buf[pos : pos + width], "little"), pos + width
+    raise ValueError(f"unsupported protobuf wire type {wire}")
 
 
 def _values(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
@@ -64,24 +80,21 @@ def _values(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = buf[pos : pos + length], pos + length
-        elif wire in (1, 5):
-            width = 8 if wire == 1 else 4
-            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        yield number, value
+        value, pos = _value(buf, pos, key & 7)
+        yield key >> 3, value
 
 
 def fields(buf: bytes) -> dict[int, int | bytes]:
-    """Decode one protobuf message into {field number: value} (last value wins; enough for our needs)."""
-    return dict(_values(buf))
+    """Decode one protobuf message into {field number: value} (last value wins; enough for our needs).
+
+    The same loop as :func:`_values`, without a generator: a pagemap of a few GiB has thousands of
+    entries, read on the way to a lazy restore."""
+    out: dict[int, int | bytes] = {}
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        out[key >> 3], pos = _value(buf, pos, key & 7)
+    return out
 
 
 def records(raw: bytes, partial: bool = False) -> list[bytes]:
