@@ -123,6 +123,7 @@ def test_the_restore_folder_holds_the_eager_pages_and_holes_for_the_lazy_ones(
     repo, memory = stored
     with LazyImage.open(repo, "c") as image:
         image.prepare(tmp_path / "restore")
+        image.attach(tmp_path / "restore")
         assert image.lazy_bytes == len(memory[BASE + 4 * MiB]) + len(memory[BASE + 16 * MiB])
     pages = (tmp_path / "restore" / "pages-7.img").read_bytes()
     assert len(pages) == sum(len(data) for data in memory.values())
@@ -140,6 +141,7 @@ def test_read_pages_returns_exactly_the_memory_across_chunks_and_zeros(
     region = memory[BASE + 4 * MiB]
     with LazyImage.open(repo, "c", prefetch=2) as image:
         image.prepare(tmp_path / "restore")
+        image.attach(tmp_path / "restore")
         for page, count in [(0, 1), (200, 112), (255, 2), (300, 340), (639, 1)]:
             got = image.read_pages(7, BASE + 4 * MiB + page * PAGE_SIZE, count)
             assert got == region[page * PAGE_SIZE : (page + count) * PAGE_SIZE]
@@ -164,6 +166,7 @@ def test_chunks_are_fetched_ahead_along_a_stream_of_requests_and_not_after_a_fau
 
     with LazyImage.open(repo, "c", prefetch=3) as image:
         image.prepare(tmp_path / "restore")
+        image.attach(tmp_path / "restore")
         files = claimed(image)  # the pagemap and core files
         assert image.read_pages(7, BASE + 5 * MiB, 1) == memory[5 * MiB : 5 * MiB + PAGE_SIZE]
         assert image.read_pages(7, BASE + MiB, 1) == memory[MiB : MiB + PAGE_SIZE]
@@ -174,7 +177,36 @@ def test_chunks_are_fetched_ahead_along_a_stream_of_requests_and_not_after_a_fau
         assert image.read_pages(7, BASE + 2 * MiB, 256) == memory[2 * MiB : 3 * MiB]
 
 
-def test_a_corrupt_lazy_chunk_is_refused_when_read_and_a_corrupt_eager_one_by_prepare(
+def test_warming_fetches_the_small_lazy_regions_before_any_request_and_leaves_the_big_ones(
+    stored: tuple[Repository, dict[int, bytes]], tmp_path: Path
+) -> None:
+    repo, memory = stored
+    big, small = memory[BASE + 4 * MiB], memory[BASE + 16 * MiB]
+    with LazyImage.open(repo, "c", prefetch=0) as image:
+        image.prepare(tmp_path / "restore")
+        image.attach(tmp_path / "restore")
+        before = image.fetched_chunks  # the chunks of the eager run
+        assert image.warm(budget=MiB, limit=2 * MiB) == len(small)  # the 2.5 MiB region is bulk here
+        _settle(image)
+        assert image.fetched_chunks == before + 1
+        assert image.read_pages(7, BASE + 16 * MiB, 5) == small
+        assert image.fetched_chunks == before + 1  # from the cache
+        assert image.warm() == len(big) + len(small)  # the defaults: both are small
+        _settle(image)
+        warmed = image.fetched_chunks
+        assert image.read_pages(7, BASE + 4 * MiB, len(big) // PAGE_SIZE) == big
+        assert image.fetched_chunks == warmed
+
+
+def _settle(image: LazyImage) -> None:
+    """Wait for the fetches under way."""
+    with image._lock:
+        pending = list(image._pending.values())
+    for future in pending:
+        future.result(timeout=30)
+
+
+def test_a_corrupt_lazy_chunk_is_refused_when_read_and_a_corrupt_eager_one_by_attach(
     stored: tuple[Repository, dict[int, bytes]], tmp_path: Path
 ) -> None:
     repo, _ = stored
@@ -184,13 +216,16 @@ def test_a_corrupt_lazy_chunk_is_refused_when_read_and_a_corrupt_eager_one_by_pr
     _flip(repo, lazy)
     with LazyImage.open(repo, "c", prefetch=0) as image:
         image.prepare(tmp_path / "one")
+        image.attach(tmp_path / "one")
         with pytest.raises(CorruptImage, match="is damaged"):
             image.read_pages(7, BASE + 16 * MiB, 1)
         with pytest.raises(CorruptImage, match="is damaged"):  # not remembered as good on a second try
             image.read_pages(7, BASE + 16 * MiB, 1)
     _flip(repo, eager)
-    with LazyImage.open(repo, "c") as image, pytest.raises(CorruptImage, match="is damaged"):
-        image.prepare(tmp_path / "two")
+    with LazyImage.open(repo, "c") as image:
+        image.prepare(tmp_path / "two")  # every file but the memory: those are good
+        with pytest.raises(CorruptImage, match="is damaged"):
+            image.attach(tmp_path / "two")
 
 
 def _flip(repo: Repository, chunk: str) -> None:
@@ -310,8 +345,9 @@ class LazyRestore:
 def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_before_criu_runs(
     tmp_path: Path,
 ) -> None:
-    """The launcher reads the image's pagemaps while ``criu lazy-pages`` starts: if that read fails, the
-    daemon is killed, the restore folder removed and ``criu restore`` never runs (stand-ins for CRIU)."""
+    """The launcher reads the image's pagemaps and fetches the memory CRIU reads itself while ``criu
+    lazy-pages`` starts: if that fails, the daemon is killed, the restore folder removed and ``criu
+    restore`` never runs (stand-ins for CRIU)."""
     folder = tmp_path / "restore-c"
     folder.mkdir()
     events: list[str] = []
@@ -327,9 +363,12 @@ def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_befor
         events.append(f"page source of {checkpoint_id}")
         raise CorruptImage(f"checkpoint {checkpoint_id} has an unreadable pagemap-1.img")
 
-    def start_lazy_pages(images_dir: Path, log: Path, *, page_server_fd: int) -> Daemon:
-        events.append("daemon started")
+    def start_lazy_pages(images_dir: Path, log: Path, *, page_server_fd: int, wait: bool) -> Daemon:
+        events.append("daemon started" if not wait else "daemon started and waited for")
         return Daemon()
+
+    def wait_lazy_pages(*args: object) -> None:
+        raise AssertionError("waited for the daemon after the page source failed")
 
     def restore(*args: object, **kwargs: object) -> int:
         raise AssertionError("criu restore ran")
@@ -337,7 +376,9 @@ def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_befor
     ctx = SimpleNamespace(
         criu_log=lambda name, kind, checkpoint_id: tmp_path / f"{kind}.log",
         store=SimpleNamespace(page_source=page_source),
-        criu=SimpleNamespace(start_lazy_pages=start_lazy_pages, restore=restore),
+        criu=SimpleNamespace(
+            start_lazy_pages=start_lazy_pages, wait_lazy_pages=wait_lazy_pages, restore=restore
+        ),
     )
     job = SimpleNamespace(name="j")
     with pytest.raises(CorruptImage, match="unreadable pagemap"):
@@ -364,10 +405,11 @@ def restores() -> Iterator[list[LazyRestore]]:
 def restore_lazily(
     repo: Repository, checkpoint_id: str, folder: Path, made: list[LazyRestore]
 ) -> LazyRestore:
-    """prepare → page server thread → ``criu lazy-pages --page-server --ps-socket`` → ``criu restore``."""
+    """prepare, attach → page server thread → ``criu lazy-pages --page-server`` → ``criu restore``."""
     criu = Criu(CRIU)
     image = LazyImage.open(repo, checkpoint_id)
     image.prepare(folder)
+    image.attach(folder)
     holder: list[LazyRestore] = []
     server, criu_end = PageServer.pair(image.read_pages, on_failure=lambda exc: holder[0].kill_tree(exc))
     server.start()
@@ -429,6 +471,7 @@ def test_a_corrupt_chunk_kills_the_lazily_restored_tree_before_it_sees_wrong_mem
     # a chunk of the job's random data: lazy pages only, so the restore folder is still good
     image = LazyImage.open(repo, checkpoint)
     image.prepare(tmp_path / "probe")
+    image.attach(tmp_path / "probe")
     image.close()
     lazy_chunks = _lazy_only_chunks(repo, checkpoint, tmp_path / "probe")
     assert lazy_chunks
@@ -456,8 +499,10 @@ def test_a_corrupt_chunk_criu_restore_reads_itself_fails_before_any_process_exis
     eager = pages.extents[0][2]  # the first pages in memory: the program's own data, not lazy
     assert eager is not None
     _flip(repo, eager)
-    with LazyImage.open(repo, checkpoint) as image, pytest.raises(CorruptImage, match="is damaged"):
+    with LazyImage.open(repo, checkpoint) as image:
         image.prepare(tmp_path / "restore")
+        with pytest.raises(CorruptImage, match="is damaged"):
+            image.attach(tmp_path / "restore")
 
 
 def _lazy_only_chunks(repo: Repository, checkpoint: str, folder: Path) -> list[str]:

@@ -500,9 +500,17 @@ class Criu:
         return read_dump_stats(images_dir)
 
     def start_lazy_pages(
-        self, images_dir: Path, log_path: Path, timeout: float = 10, *, page_server_fd: int | None = None
+        self,
+        images_dir: Path,
+        log_path: Path,
+        timeout: float = 10,
+        *,
+        page_server_fd: int | None = None,
+        wait: bool = True,
     ) -> subprocess.Popen[bytes]:
-        """Start ``criu lazy-pages`` on ``images_dir`` and return once it listens.
+        """Start ``criu lazy-pages`` on ``images_dir`` and return once it listens (``wait=False``: at once;
+        then call :meth:`wait_lazy_pages` before ``restore``). It reads ``inventory.img`` and
+        ``pstree.img`` as it starts; the pagemaps and pages only once ``restore`` runs.
 
         It serves the memory of a tree restored with ``restore(lazy=True)`` on demand (userfaultfd), copies
         the rest in the background, and exits once every page is in (or the tree is gone): the caller
@@ -513,7 +521,6 @@ class Criu:
         the pages that are not lazy. The caller closes its copy of the fd once this returns.
         """
         self.require()
-        listening = images_dir / "lazy-pages.socket"
         process = subprocess.Popen(
             [
                 str(self.path),
@@ -534,6 +541,16 @@ class Criu:
             stderr=subprocess.DEVNULL,
             pass_fds=() if page_server_fd is None else (page_server_fd,),
         )
+        if wait:
+            self.wait_lazy_pages(process, images_dir, log_path, timeout)
+        return process
+
+    def wait_lazy_pages(
+        self, process: subprocess.Popen[bytes], images_dir: Path, log_path: Path, timeout: float = 10
+    ) -> None:
+        """Return once the ``criu lazy-pages`` that :meth:`start_lazy_pages` started listens; kill it and
+        raise RestoreFailed if it exits first or does not listen within ``timeout`` seconds."""
+        listening = images_dir / "lazy-pages.socket"
         deadline = time.monotonic() + timeout
         while not listening.exists():
             if process.poll() is not None or time.monotonic() > deadline:
@@ -545,7 +562,6 @@ class Criu:
                     details=log_excerpt(log_path),
                 )
             time.sleep(0.002)
-        return process
 
     def restore(
         self,

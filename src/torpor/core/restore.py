@@ -17,10 +17,7 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
-from typing import TypeVar
 
 from torpor.adapters import system
 from torpor.adapters.criu import RestoreGate
@@ -34,8 +31,6 @@ from torpor.errors import TorporError
 
 #: how the record of a job torpor killed because a lazy restore could not bring its memory in begins
 LAZY_KILL = "lazy restore failed, the job was killed"
-
-T = TypeVar("T")
 
 
 def restore_into_launcher(
@@ -75,21 +70,23 @@ def restore_into_launcher(
         if lazy:
             log = ctx.criu_log(job.name, "lazy-pages", checkpoint_id)
             if served:
-                # the store reads the image's pagemaps while criu lazy-pages starts: neither waits for
-                # the other, and the daemon asks for no page before criu restore runs, after both
-                attaching = _in_background(lambda: ctx.store.page_source(checkpoint_id, image_dir))
+                # criu lazy-pages starts while the store reads the image's pagemaps and writes the memory
+                # criu restore reads itself (the daemon needs neither until criu restore runs, after both)
+                attached: list[PageSource] = []
                 server, criu_end = PageServer.pair(
-                    lambda pid, vaddr, nr_pages: attaching.result().read_pages(pid, vaddr, nr_pages),
+                    lambda pid, vaddr, nr_pages: attached[0].read_pages(pid, vaddr, nr_pages),
                     on_failure=kill_tree,
                 )
                 server.start()
                 try:
-                    daemon = ctx.criu.start_lazy_pages(image_dir, log, page_server_fd=criu_end.fileno())
+                    daemon = ctx.criu.start_lazy_pages(
+                        image_dir, log, page_server_fd=criu_end.fileno(), wait=False
+                    )
                 finally:
                     criu_end.close()
-                    if attaching.exception() is None:  # waits for it; closed below if the daemon failed
-                        source = attaching.result()
-                source = attaching.result()  # raises what attaching raised
+                source = ctx.store.page_source(checkpoint_id, image_dir)
+                attached.append(source)
+                ctx.criu.wait_lazy_pages(daemon, image_dir, log)
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
         # the CPUs kept quick to wake while CRIU restores (system.cpu_wakeups_held)
@@ -133,20 +130,6 @@ def restore_into_launcher(
 
         threading.Thread(target=clean_up, name="lazy-pages", daemon=True).start()
     return pid
-
-
-def _in_background(make: Callable[[], T]) -> Future[T]:
-    """Run ``make`` in a thread of its own; its result (or what it raised) comes through the future."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(make())
-        except BaseException as exc:  # handed to whoever waits for the result
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="background", daemon=True).start()
-    return future
 
 
 def recreate_socket_folders(image_dir: Path) -> list[str]:

@@ -190,13 +190,14 @@ class ImageStore(Protocol):
         """For COLD_STREAMED: write all but the memory pages into ``dest``, verified; stream those."""
 
     def prepare_lazy(self, checkpoint_id: str, dest: Path) -> None:
-        """For LAZY_SERVED: write into ``dest`` all that CRIU reads itself, verified; leave the rest.
+        """For LAZY_SERVED: write into ``dest`` every file of the image but its memory, verified.
 
-        The memory left out is served by :meth:`page_source`.
+        The memory comes from :meth:`page_source`.
         """
 
     def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
-        """The memory :meth:`prepare_lazy` left out of ``dest``, fetched and verified on demand."""
+        """The memory of a folder :meth:`prepare_lazy` wrote: what CRIU reads itself written into ``dest``
+        now, verified; the rest fetched and verified on demand. Close it when the restore is done."""
 
     def state(self, checkpoint_id: str) -> StoredImage:
         """Where the image is now (staged, destaging, durable); CheckpointNotFound if nowhere."""

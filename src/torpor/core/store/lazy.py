@@ -7,14 +7,18 @@ rest in the background; every other page ``criu restore`` reads itself from ``pa
 
 :class:`LazyImage` makes that work straight from the store, without rebuilding the image first:
 
-- :meth:`LazyImage.prepare` writes a restore folder holding every file of the checkpoint except the lazy
-  parts of the processes' ``pages-N.img``: those files are created sparse, at full size, with only the
-  runs that are not lazy written in (CRIU reads those at their offsets, and never reads the holes).
+- :meth:`LazyImage.prepare` writes a restore folder holding every file of the checkpoint but its memory,
+  and :meth:`LazyImage.attach`, where the page server runs, the parts of the processes' ``pages-N.img``
+  that are not lazy: those files are created sparse, at full size, with only those runs written in (CRIU
+  reads them at their offsets, and never reads the holes). The chunks they came from stay in the cache:
+  the pages the job touches first often lie beside them (its stack, its heap).
 - :meth:`LazyImage.read_pages` answers the daemon's requests — given to it by the page server of
   :mod:`torpor.adapters.pageserver` — by mapping (pid, address) → ``pagemap-PID.img`` → offset in the
   pages file → extents of the manifest → chunks. Each chunk is fetched when first needed and verified
   against its hash before a byte of it is used (invariant 4); verified chunks stay in a bounded LRU, and
-  the chunks that follow a request are fetched ahead in the background.
+  the chunks that follow a request are fetched ahead in the background. Before the job runs,
+  :meth:`LazyImage.warm` fetches its small regions of lazy memory (its heap, its interpreter's objects)
+  into that cache, on other cores while ``criu restore`` runs: its first page faults then wait for no fetch.
 
 What this module leaves to others: running the page server and the two CRIU commands, and killing the
 restored tree when a read fails (see :mod:`torpor.adapters.pageserver` for why that matters).
@@ -27,7 +31,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +81,21 @@ def file_ranges(pages: Pagemap, vaddr: int, nr_pages: int) -> list[tuple[int, in
             out.append((offset, stop - address))
         address = stop
         index += 1
+    return out
+
+
+def lazy_regions(pages: Pagemap) -> list[tuple[int, int]]:
+    """(vaddr, bytes) of each stretch of lazy pages, runs that follow each other in memory joined (CRIU
+    cuts a region into many runs as it dumps)."""
+    out: list[tuple[int, int]] = []
+    for run in pages.runs:
+        if not run.flags & PE_LAZY:
+            continue
+        size = run.nr_pages * PAGE_SIZE
+        if out and out[-1][0] + out[-1][1] == run.vaddr:
+            out[-1] = (out[-1][0], out[-1][1] + size)
+        else:
+            out.append((run.vaddr, size))
     return out
 
 
@@ -176,13 +195,27 @@ class LazyImage:
     # -- the restore folder -------------------------------------------------------------------------
 
     def prepare(self, dest: Path) -> None:
-        """Write the restore folder ``dest``: everything CRIU reads itself, verified; lazy pages as holes."""
-        checkpoint = self.manifest.id
+        """Write the restore folder ``dest``: every file of the checkpoint but its memory, verified.
+
+        What CRIU reads itself of the memory, :meth:`attach` writes, where the page server runs: it reads
+        the pagemaps anyway, and the chunks it fetches for that stay in its cache for the daemon.
+        """
         system.make_private_dirs(dest)
         try:
-            # everything but the pages first: the pagemaps say which parts of the pages files are lazy
             self._write_files(dest, [e for e in self.manifest.files if not is_bulk(e.name)])
-            processes = self._read_processes(dest)
+        except OSError as exc:
+            raise self._unwritable(dest, exc) from exc
+
+    def attach(self, dest: Path) -> None:
+        """Serve the restore folder :meth:`prepare` wrote (perhaps in another process, e.g. the CLI), and
+        write into it first the memory ``criu restore`` reads itself, verified.
+
+        Each process's ``pages-N.img`` is created sparse, at full size, with only the runs that are not lazy
+        written in (CRIU reads those at their offsets, and never reads the holes); pages files that are no
+        process's memory (e.g. shared memory) are written whole.
+        """
+        processes = self._read_processes(dest)
+        try:
             whole: list[FileEntry] = []
             for entry in self.manifest.files:
                 if not is_bulk(entry.name):
@@ -194,15 +227,12 @@ class LazyImage:
                     self._write_eager_runs(dest, process)
             self._write_files(dest, whole)
         except OSError as exc:
-            raise StoreError(f"cannot write checkpoint {checkpoint} into {dest}: {exc.strerror}") from exc
+            raise self._unwritable(dest, exc) from exc
         with self._lock:
             self._processes = {process.pid: process for process in processes.values()}
 
-    def attach(self, dest: Path) -> None:
-        """Serve a restore folder that :meth:`prepare` wrote (in another process, e.g. the CLI)."""
-        processes = self._read_processes(dest)
-        with self._lock:
-            self._processes = {process.pid: process for process in processes.values()}
+    def _unwritable(self, dest: Path, exc: OSError) -> StoreError:
+        return StoreError(f"cannot write checkpoint {self.manifest.id} into {dest}: {exc.strerror}")
 
     def _read_processes(self, dest: Path) -> dict[str, _Process]:
         """The processes of the image, by the name of their pages file."""
@@ -296,7 +326,7 @@ class LazyImage:
         if process is None:
             raise RestoreFailed(
                 f"criu asked for memory of process {pid}, which checkpoint {self.manifest.id} does not "
-                "hold (was prepare() called?)"
+                "hold (was attach() called?)"
             )
         try:
             ranges = file_ranges(process.pages, vaddr, nr_pages)
@@ -322,8 +352,32 @@ class LazyImage:
             self._fetch_ahead(process.entry, pieces[-1][0] + 1, ahead)
         return out
 
+    def warm(self, budget: int = readahead.WARM_BYTES, limit: int = readahead.WARM_REGION_LIMIT) -> int:
+        """Fetch and verify in the background, into the cache, the lazy memory the job is likely to touch
+        first (:func:`torpor.policy.readahead.warm_first`); returns how many bytes of memory that is."""
+        with self._lock:
+            processes = list(self._processes.values())
+        regions = [
+            (process, vaddr, size) for process in processes for vaddr, size in lazy_regions(process.pages)
+        ]
+        warmed = 0
+        for index in readahead.warm_first([size for _, _, size in regions], budget, limit):
+            process, vaddr, size = regions[index]
+            for offset, length in file_ranges(process.pages, vaddr, size // PAGE_SIZE):
+                slices = extent_slices(process.entry.extents, offset, length)
+                if not self._fetch_extents(process.entry, [extent for extent, _, _ in slices]):
+                    return warmed
+            warmed += size
+        return warmed
+
     def _fetch_ahead(self, entry: FileEntry, first: int, count: int) -> None:
-        for _, size, chunk in entry.extents[first : first + count]:
+        self._fetch_extents(entry, range(first, min(first + count, len(entry.extents))))
+
+    def _fetch_extents(self, entry: FileEntry, indexes: Iterable[int]) -> bool:
+        """Fetch the chunks of ``entry``'s extents at ``indexes`` into the cache, in the background;
+        False if the image was closed meanwhile."""
+        for index in indexes:
+            _, size, chunk = entry.extents[index]
             if chunk is None:
                 continue
             future, owner = self._claim(chunk)
@@ -332,7 +386,8 @@ class LazyImage:
                     self._pool.submit(self._fill, chunk, size, future, True)
                 except RuntimeError:  # closed meanwhile
                     self._fail_pending(chunk, future, RestoreFailed("the lazy restore was closed"))
-                    return
+                    return False
+        return True
 
     # -- chunks ---------------------------------------------------------------------------------------
 

@@ -324,8 +324,18 @@ class TieredStore:
             raise self._with_hint(exc, checkpoint_id) from exc
 
     def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
-        image = LazyImage.open(self.repo, checkpoint_id)
-        image.attach(dest)
+        try:
+            image = LazyImage.open(self.repo, checkpoint_id)
+        except CheckpointNotFound as exc:
+            raise self._no_image(checkpoint_id) from exc
+        try:
+            image.attach(dest)
+            image.warm()
+        except BaseException as exc:
+            image.close()
+            if isinstance(exc, CorruptImage):
+                raise self._with_hint(exc, checkpoint_id) from exc
+            raise
         return image
 
     def _fetch_hot(self, checkpoint_id: str, dest: Path) -> Check | None:
