@@ -571,9 +571,11 @@ def main() -> int:
         "The job's launcher is forked from the CLI, not started as a new interpreter.",
         "- *Lazy restore*: only what CRIU reads itself is fetched first (a few MiB); the job then runs "
         "while torpor's page server answers CRIU's lazy-pages daemon chunk by chunk from the store, each "
-        "chunk verified before a byte of it is handed over; the launcher reads the image's pagemaps "
-        "while the daemon starts, and only a stream of requests (the daemon copying the rest) is fetched "
-        "ahead, not a page fault (docs/store.md). *First progress* is the job's first line after the "
+        "chunk verified before a byte of it is handed over; while the daemon starts, the launcher reads "
+        "the image's pagemaps, writes the pages CRIU reads itself and starts fetching the job's small "
+        "regions of memory (its heap, its interpreter's objects: what it touches first) into its cache; "
+        "after that only a stream of requests (the daemon copying the rest) is fetched ahead, not a page "
+        "fault (docs/store.md). *First progress* is the job's first line after the "
         "restore began, polled every 5 ms; torpor is timed through its Python API (the `torpor` command "
         "adds 0.2-0.3 s here for its interpreter and imports).",
         *(
