@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -252,12 +252,8 @@ class TieredStore:
                 f"cannot copy checkpoint {checkpoint_id} from the hot tier into {dest}: {exc.strerror or exc}"
             ) from exc
         if check is None:
-            try:
+            with self._explained(checkpoint_id):
                 check = self._fetch_cold(checkpoint_id, dest)
-            except CheckpointNotFound as exc:
-                raise self._no_image(checkpoint_id) from exc
-            except CorruptImage as exc:
-                raise self._with_hint(exc, checkpoint_id) from exc
 
         def hinted() -> None:
             try:
@@ -274,12 +270,8 @@ class TieredStore:
         try:
             if self._fetch_hot(checkpoint_id, scratch) is not None:
                 return  # linked, and all but the pages verified
-            try:
+            with self._explained(checkpoint_id):
                 self.repo.read(checkpoint_id, scratch, skip=is_bulk)
-            except CheckpointNotFound as exc:
-                raise self._no_image(checkpoint_id) from exc
-            except CorruptImage as exc:
-                raise self._with_hint(exc, checkpoint_id) from exc
             if not self.repo.intact(checkpoint_id):
                 raise self._with_hint(
                     CorruptImage(
@@ -306,36 +298,23 @@ class TieredStore:
         return RestoreSource.COLD_STREAMED if stream else RestoreSource.COLD_WHOLE
 
     def stream_pages(self, checkpoint_id: str, dest: Path) -> PageStream:
-        try:
+        with self._explained(checkpoint_id):
             manifest = self.repo.read(checkpoint_id, dest, skip=is_bulk)
-        except CheckpointNotFound as exc:
-            raise self._no_image(checkpoint_id) from exc
-        except CorruptImage as exc:
-            raise self._with_hint(exc, checkpoint_id) from exc
         return _ColdPages(self, manifest)
 
     def prepare_lazy(self, checkpoint_id: str, dest: Path) -> None:
-        try:
-            with LazyImage.open(self.repo, checkpoint_id) as image:
-                image.prepare(dest)
-        except CheckpointNotFound as exc:
-            raise self._no_image(checkpoint_id) from exc
-        except CorruptImage as exc:
-            raise self._with_hint(exc, checkpoint_id) from exc
+        with self._explained(checkpoint_id), LazyImage.open(self.repo, checkpoint_id) as image:
+            image.prepare(dest)
 
     def page_source(self, checkpoint_id: str, dest: Path) -> PageSource:
-        try:
+        with self._explained(checkpoint_id):
             image = LazyImage.open(self.repo, checkpoint_id)
-        except CheckpointNotFound as exc:
-            raise self._no_image(checkpoint_id) from exc
-        try:
-            image.attach(dest)
-            image.warm()
-        except BaseException as exc:
-            image.close()
-            if isinstance(exc, CorruptImage):
-                raise self._with_hint(exc, checkpoint_id) from exc
-            raise
+            try:
+                image.attach(dest)
+                image.warm()
+            except BaseException:
+                image.close()
+                raise
         return image
 
     def _fetch_hot(self, checkpoint_id: str, dest: Path) -> Check | None:
@@ -397,6 +376,17 @@ class TieredStore:
         later = [entry for entry in manifest.files if is_bulk(entry.name)]
         codec, workers = self.repo.codec, self.settings.store_workers
         return lambda: verify_extents(codec, dest, later, checkpoint_id, workers, zeros=False)
+
+    @contextlib.contextmanager
+    def _explained(self, checkpoint_id: str) -> Iterator[None]:
+        """Reading ``checkpoint_id`` from the cold tier: a missing image said as :meth:`_no_image`, a
+        damaged one with :meth:`_with_hint`."""
+        try:
+            yield
+        except CheckpointNotFound as exc:
+            raise self._no_image(checkpoint_id) from exc
+        except CorruptImage as exc:
+            raise self._with_hint(exc, checkpoint_id) from exc
 
     def _no_image(self, checkpoint_id: str) -> CheckpointNotFound:
         return CheckpointNotFound(
