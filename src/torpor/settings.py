@@ -101,8 +101,7 @@ class Settings:
     @property
     def hot_path(self) -> Path:
         """The hot tier's folder, named after the home so that two homes never share one."""
-        tag = hashlib.sha256(str(self.home).encode()).hexdigest()[:12]
-        return (self.hot_dir or Path("/dev/shm")) / f"torpor-{tag}"
+        return (self.hot_dir or DEFAULT_HOT_PARENT) / hot_name(self.home)
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able form, to hand the same settings to a launcher or destager process.
@@ -165,6 +164,15 @@ class Settings:
             stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
         )
+
+
+#: where the hot tiers are when TORPOR_HOT_DIR is not set
+DEFAULT_HOT_PARENT = Path("/dev/shm")
+
+
+def hot_name(home: Path) -> str:
+    """The name of the hot tier's folder of state directory ``home``: ``torpor-`` and 12 hex digits."""
+    return "torpor-" + hashlib.sha256(str(home).encode()).hexdigest()[:12]
 
 
 def _env_int(name: str, default: int, least: int = 0) -> int:

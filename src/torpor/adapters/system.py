@@ -95,13 +95,16 @@ def mount_tmpfs(path: Path, options: str) -> None:
     _check(result, f"mount tmpfs on {path}")
 
 
-def unmount(path: Path) -> None:
-    """Lazily unmount ``path`` if something is mounted there (nothing happens otherwise).
+def unmount(path: Path, lazy: bool = True) -> None:
+    """Unmount ``path`` if something is mounted there (nothing happens otherwise).
 
-    A symbolic link at ``path`` is not followed: it could lead to a mount that is not torpor's.
+    ``lazy``: detach it now and let the kernel free it once nothing uses it; else fail with EBUSY while
+    a process has a file open in it. A symbolic link at ``path`` is not followed: it could lead to a
+    mount that is not torpor's.
     """
     if not os.path.islink(path) and os.path.ismount(path):
-        _check(_libc.umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW), f"umount {path}")
+        flags = (MNT_DETACH if lazy else 0) | UMOUNT_NOFOLLOW
+        _check(_libc.umount2(os.fsencode(path), flags), f"umount {path}")
 
 
 # -- torpor's own files --------------------------------------------------------------------------------

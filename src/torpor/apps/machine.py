@@ -1,8 +1,9 @@
-"""``torpor doctor`` and ``torpor store``: what this machine can do, and where the state directory's images go.
+"""``torpor doctor``, ``torpor cleanup`` and ``torpor store``: what this machine can do, what deleted state
+directories left in RAM, and where the state directory's images go.
 
-Both work before (and without) an engine: ``doctor`` must report a machine where torpor cannot run, and
-``store`` shows and changes the store configuration that every other command checks its environment
-against.
+All three work before (and without) an engine: ``doctor`` must report a machine where torpor cannot run,
+``cleanup`` judges the hot tiers of state directories other than its own, and ``store`` shows and changes the
+store configuration that every other command checks its environment against.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torpor.apps.render import emit_json, human_bytes
 from torpor.core import doctor
 from torpor.core.engine import Engine
 from torpor.core.store import config as store_config
+from torpor.core.store import leftovers
 from torpor.errors import TorporError, UsageError
 from torpor.settings import Settings
 
@@ -75,6 +77,48 @@ def _other_users_line(other: dict[str, Any]) -> str:
     )
 
 
+def _hot_tier_text(tier: dict[str, Any]) -> str:
+    mounted = "a tmpfs, " if tier["mounted"] else ""
+    return f"{tier['path']} ({mounted}{human_bytes(tier['used_bytes'])}): {tier['reason']}"
+
+
+def _hot_tiers_line(tiers: list[dict[str, Any]]) -> str:
+    stale = [tier for tier in tiers if tier["stale"]]
+    if not stale:
+        return "ok  no hot tier in RAM left over by a deleted state directory"
+    lines = ["--  hot tiers in RAM left over by deleted state directories (torpor cleanup removes them):"]
+    return "\n      ".join(lines + [_hot_tier_text(tier) for tier in stale])
+
+
+def cmd_cleanup(settings: Settings, args: argparse.Namespace) -> int:
+    """Remove the hot tiers that deleted state directories left in RAM (``--dry-run``: only say which)."""
+    removed, failed, kept = [], [], []
+    for tier in leftovers.survey(settings, force=args.force):
+        entry = tier.to_dict()
+        if not tier.verdict.remove:
+            if tier.verdict.stale:
+                kept.append(entry)
+            continue
+        problem = None if args.dry_run else leftovers.remove(tier)
+        if problem is None:
+            removed.append(entry)
+        else:
+            failed.append(entry | {"error": problem})
+    if args.json:
+        emit_json({"dry_run": args.dry_run, "removed": removed, "failed": failed, "left": kept})
+    else:
+        done = "would remove" if args.dry_run else "removed"
+        for entry in removed:
+            print(f"{done} {_hot_tier_text(entry)}")
+        for entry in failed:
+            print(f"could not remove {entry['path']}: {entry['error']}")
+        for entry in kept:
+            print(f"left {_hot_tier_text(entry)}")
+        if not (removed or failed or kept):
+            print("no hot tier in RAM is left over by a deleted state directory")
+    return 1 if failed else 0
+
+
 def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     report = doctor_report(settings)
     if args.json:
@@ -118,6 +162,7 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     for n, line in enumerate(_store_lines(store)):
         print(f"{mark(store_ok)} {line}" if n == 0 else f"    {line}")
     print(_other_users_line(report["other_users"]))
+    print(_hot_tiers_line(report["hot_tiers"]))
     print(
         "torpor can checkpoint here"
         if report["ok"]
@@ -177,6 +222,25 @@ def add_parsers(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
         " whether jobs with processes of another user can be checkpointed",
         job=False,
     ).set_defaults(func=None)
+
+    cleanup_help = "remove the hot tiers (folders in RAM) that deleted state directories left behind"
+    cleanup = sub.add_parser(
+        "cleanup",
+        help=cleanup_help,
+        description=cleanup_help
+        + ". A state directory's hot tier lives outside it, in /dev/shm/torpor-<hash of its path> (often a "
+        "tmpfs of torpor's own), and names its state directory: one whose state directory is gone is "
+        "unmounted and deleted if it is empty, and with --force if it still holds images. Only your own "
+        "hot tiers are looked at, and one a process has a file open in stays. torpor doctor lists them.",
+    )
+    cleanup.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    cleanup.add_argument(
+        "--force",
+        action="store_true",
+        help="remove the leftovers that still hold images too (their state directory may only be unmounted)",
+    )
+    cleanup.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    cleanup.set_defaults(func=cmd_cleanup, needs_settings=True)
 
     store_help = "show or change the store configuration of the state directory (HOME/store.json)"
     store = sub.add_parser(

@@ -1,5 +1,6 @@
 """What works on this machine for torpor: CRIU and its features, the kernel, the GPU driver, the state
-directory, the store configuration and jobs of other users — gathered for ``torpor doctor``.
+directory, the store configuration, jobs of other users and the hot tiers deleted state directories left
+in RAM — gathered for ``torpor doctor``.
 
 It asks the adapters (CRIU, the GPU driver, the system) and returns plain data: the report's keys are
 what ``torpor doctor --json`` prints. Every check is independent, so one failure does not hide the rest.
@@ -19,6 +20,7 @@ from typing import Any
 from torpor import __version__
 from torpor.adapters import gpu, system
 from torpor.adapters.criu import Criu
+from torpor.core.store import leftovers
 from torpor.errors import TorporError
 from torpor.settings import Settings
 
@@ -51,6 +53,8 @@ def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
         result["home_free_bytes"] = system.disk_free(settings.home)
     result["store"] = store
     result["other_users"] = _other_users(settings, bool(criu.get("check_ok")))
+    # not a condition of ``ok``: a leftover holds RAM, it does not stop a checkpoint
+    result["hot_tiers"] = [tier.to_dict() for tier in leftovers.survey(settings)]
     result["ok"] = bool(criu.get("check_ok")) and home_ok and store_ok(store)
     return result
 

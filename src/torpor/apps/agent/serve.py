@@ -11,6 +11,7 @@ adopts them).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -48,12 +49,22 @@ class Listen:
 def read_token(path: Path) -> str:
     """The bearer token in ``path``, which must be a regular file of root's that nobody else can read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a fifo must not block us
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link, or a shell's <(...), which is a link to a pipe
+            raise UsageError(
+                f"the token file {path} is a symbolic link: give a regular file of yours (chmod 600), "
+                "not a link or a process substitution like <(...)"
+            ) from None
         raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(
+                f"the token file {path} is not a regular file (a pipe, a device or a folder): "
+                "write the token to a file of yours (chmod 600) and give its path"
+            )
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
             raise UnsafePath(
                 f"the token file {path} must be a regular file of yours that only you can read "
                 f"(chmod 600 {path})"

@@ -129,11 +129,14 @@ def owner_alive(partial: Path) -> bool:
 class HotTier:
     """Images in RAM: staged by dumps, committed by a rename, read back linked, dropped once durable."""
 
-    def __init__(self, root: Path, capacity: int | None = None, own_mount: bool = False) -> None:
+    def __init__(
+        self, root: Path, capacity: int | None = None, own_mount: bool = False, home: Path | None = None
+    ) -> None:
         self.root = root
         self._capacity = capacity
-        #: the folder itself; ``own_mount``: torpor's tmpfs on it (only for the default place in /dev/shm)
-        self.folder = HotFolder(root, own_mount)
+        #: the folder itself; ``own_mount``: torpor's tmpfs on it (only for the default place in /dev/shm);
+        #: ``home``: the state directory it belongs to, written into it
+        self.folder = HotFolder(root, own_mount, home)
 
     @property
     def capacity(self) -> int:

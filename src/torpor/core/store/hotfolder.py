@@ -38,6 +38,9 @@ from torpor.errors import StoreError, UnsafePath
 #: against 3.8-4.9 s at 4 GiB. A job's freeze must not depend on what else the machine holds.
 #: ``huge=always`` was slower still and as erratic (it compacts memory for every 2 MiB page).
 OWN_MOUNT_OPTIONS = "huge=never,mode=0700"
+#: the file in the hot tier that names the state directory it belongs to: the hot tier lives outside it,
+#: and this is how ``torpor doctor`` and ``torpor cleanup`` tell one whose state directory was deleted
+HOME_MARKER = ".home"
 
 
 def _folder_problem(st: os.stat_result) -> str | None:
@@ -57,12 +60,16 @@ def _folder_problem(st: os.stat_result) -> str | None:
 class HotFolder:
     """The folder the hot tier keeps its images in, as torpor made it, or refused."""
 
-    def __init__(self, root: Path, own_mount: bool = False) -> None:
+    def __init__(self, root: Path, own_mount: bool = False, home: Path | None = None) -> None:
         self.root = root
         #: mount a tmpfs of our own (huge pages) on ``root``: only for the default place in /dev/shm
         self.own_mount = own_mount
+        #: the state directory the tier belongs to, written into it (:data:`HOME_MARKER`)
+        self.home = home
         #: (device, inode) of the root folder once it was checked to be torpor's own
         self._verified: tuple[int, int] | None = None
+        #: the folder whose marker is known to be written (device, inode)
+        self._marked: tuple[int, int] | None = None
 
     def ensure(self) -> None:
         """Make the hot tier (0700, torpor's tmpfs on the default place) or check the one there is ours.
@@ -82,8 +89,30 @@ class HotFolder:
         finally:
             os.close(fd)
         fd, checked = self._open_root()  # what is there now: torpor's tmpfs, or the folder it was made on
-        os.close(fd)
-        self._verified = (checked.st_dev, checked.st_ino)
+        try:
+            self._verified = (checked.st_dev, checked.st_ino)
+            if self.home is not None and self._marked != self._verified:
+                self._mark(fd)
+                self._marked = self._verified
+        finally:
+            os.close(fd)
+
+    def _mark(self, fd: int) -> None:
+        """Write the home's path into the checked folder ``fd``, unless it is there (a tier of an older
+        torpor's gets it on its first use by this one)."""
+        try:
+            marker = os.open(
+                HOME_MARKER,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=fd,
+            )
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise StoreError(f"cannot write {self.root / HOME_MARKER}: {exc.strerror}") from exc
+        with os.fdopen(marker, "w") as handle:
+            handle.write(f"{self.home}\n")
 
     def exists(self) -> bool:
         """Whether the hot tier is there; raises :class:`~torpor.errors.UnsafePath` if it is not ours."""

@@ -83,7 +83,12 @@ class TieredStore:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.hot = HotTier(settings.hot_path, settings.hot_capacity_bytes, own_mount=settings.hot_dir is None)
+        self.hot = HotTier(
+            settings.hot_path,
+            settings.hot_capacity_bytes,
+            own_mount=settings.hot_dir is None,
+            home=settings.home,
+        )
         self.cold_staging = settings.staging_dir
         self.config_file = ConfigFile(settings.home)
         self._repo: Repository | None = None
