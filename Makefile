@@ -28,13 +28,17 @@ typecheck: setup
 contracts: setup
 	$(BIN)/lint-imports
 
-# the fast loop: any user, no cache written into the checkout (it may not be the caller's)
+# the fast loop: any user, no cache written into the checkout (it may not be the caller's). Where its
+# time goes, measured on 2 cores: the tests that run the real `torpor` command (~0.2 s each, most of it
+# importing torpor: the CLI imports the engine, the store and the agent's commands), collection
+# (~3 s in each worker: every test module imports torpor), and on a fresh checkout compiling torpor's .pyc
+# once; no test sleeps for long (a test that must is marked slow). Two workers halve all three.
 unit: setup
-	$(BIN)/pytest -q -p no:cacheprovider -m "$(UNIT)"
+	$(BIN)/pytest -q -p no:cacheprovider $(XDIST) -m "$(UNIT)"
 
-# every test, as root; prints the slowest, and why any test was skipped
+# every test, as root, on both cores; prints the slowest, and why any test was skipped
 suite: setup
-	$(BIN)/pytest -q -rs --durations=15
+	$(BIN)/pytest -q -rs --durations=15 $(XDIST)
 
 test: lint typecheck contracts suite
 

@@ -14,7 +14,13 @@ import pytest
 from conftest import JOBS, Torpor, python_job
 
 pytest.importorskip("torch")
-pytestmark = [pytest.mark.criu, pytest.mark.torch, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.torch,
+    pytest.mark.timeout(300),
+    # one reference training run: make suite runs these on one worker (the module fixture is per worker)
+    pytest.mark.xdist_group("torch"),
+]
 
 STEPS = 150
 PAUSE = "0.03"

@@ -28,6 +28,8 @@ SLURM_MISSING = slurm_available()
 
 pytestmark = [
     pytest.mark.slurm,
+    # one Slurm cluster per run: make suite runs these on one worker (the session fixture is per worker)
+    pytest.mark.xdist_group("slurm"),
     pytest.mark.criu,
     pytest.mark.timeout(150),
     pytest.mark.skipif(SLURM_MISSING is not None, reason=str(SLURM_MISSING)),
