@@ -34,6 +34,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.root("runs PostgreSQL as the postgres user"),
     pytest.mark.timeout(150),
+    # one initdb per run: make suite runs these on one worker (the session fixture is per worker)
+    pytest.mark.xdist_group("postgres"),
 ]
 
 USER = "postgres"
@@ -147,23 +149,41 @@ class Cluster:
         return tuple(int(v) for v in row.split("|"))
 
 
-@pytest.fixture
-def cluster(torpor: Torpor) -> Iterator[Cluster]:
+def postgres_folder(prefix: str) -> Path:
+    """A new folder of the postgres user's: not under pytest's tmp_path, which it cannot enter."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    shutil.chown(folder, USER, USER)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def initialized() -> Iterator[Path]:
+    """A data folder initdb made, once per run: each test's cluster starts from a copy of it."""
     if (why := missing_programs()) is not None:
-        pytest.skip(why)
-    if (why := other_user_blocker(torpor)) is not None:
         pytest.skip(why)
     bin_dir = postgres_bin()
     assert bin_dir is not None
-    # not under pytest's tmp_path: the postgres user cannot enter root's private folders
-    folder = Path(tempfile.mkdtemp(prefix="torpor-pg-", dir="/tmp"))
+    folder = postgres_folder("torpor-pg-initdb-")
     try:
-        shutil.chown(folder, USER, USER)
         subprocess.run(
             ["runuser", "-u", USER, "--", str(bin_dir / "initdb"), "-D", str(folder / "data"), "-A", "trust",
              "-U", USER, "--no-sync", "-E", "UTF8", "--locale", "C"],
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
+        yield folder / "data"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(torpor: Torpor, initialized: Path) -> Iterator[Cluster]:
+    if (why := other_user_blocker(torpor)) is not None:
+        pytest.skip(why)
+    bin_dir = postgres_bin()
+    assert bin_dir is not None
+    folder = postgres_folder("torpor-pg-")
+    try:
+        subprocess.run(["cp", "-a", str(initialized), str(folder / "data")], check=True, timeout=60)
         made = Cluster(folder, free_port(), bin_dir, torpor)
         yield made
         if any(job["name"] == made.job and job["state"] == "running" for job in torpor.json("ps")):
