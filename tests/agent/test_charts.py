@@ -120,7 +120,16 @@ def test_huge_and_odd_values_stay_on_the_chart() -> None:
 
 @pytest.mark.parametrize(
     ("peak", "ceiling"),
-    [(0, MIB), (1, 2), (300 * MIB, 500 * MIB), (1000 * MIB, 2 << 30), (2 << 30, int(2.5 * (1 << 30)))],
+    [
+        (0, MIB),
+        (1, 2),
+        (300 * MIB, 500 * MIB),
+        (600 * MIB, 750 * MIB),
+        (800 * MIB, 1 << 30),  # not "1000 MiB"
+        (1000 * MIB, 2 << 30),
+        (2 << 30, int(2.5 * (1 << 30))),
+        (900 << 40, 1000 << 40),  # no unit beyond TiB
+    ],
 )
 def test_a_charts_top_is_a_round_size_above_its_peak(peak: int, ceiling: int) -> None:
     assert charts.nice_ceiling(peak) == ceiling

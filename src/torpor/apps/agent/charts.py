@@ -179,8 +179,8 @@ def budget_bar(
 
 
 def nice_ceiling(peak: int) -> int:
-    """A round size at or above ``peak`` (with a little room) for a chart's top: 1, 2, 2.5 or 5 times a
-    power of ten of the unit (KiB, MiB, GiB, TiB) ``peak`` is counted in; 1 MiB for nothing."""
+    """A round size at or above ``peak`` (with a little room) for a chart's top: 1, 2, 2.5, 5 or 7.5 times
+    a power of ten of the unit (KiB, MiB, GiB, TiB) ``peak`` is counted in; 1 MiB for nothing."""
     if peak <= 0:
         return 1 << 20
     wanted, unit = peak * 1.05, 1
@@ -189,9 +189,11 @@ def nice_ceiling(peak: int) -> int:
     wanted /= unit
     power = 1.0
     while True:
-        for step in (1.0, 2.0, 2.5, 5.0):
+        for step in (1.0, 2.0, 2.5, 5.0, 7.5):
             if step * power >= wanted:
-                return max(int(step * power * unit), peak)
+                # 1000 MiB reads as 1 GiB that it is not: the next unit's 1 instead (where there is one)
+                top = 1024 if step * power >= 1000 and unit < 1 << 40 else step * power
+                return max(int(top * unit), peak)
         power *= 10
 
 
