@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import TORPOR, holders
 from torpor.adapters import criu, criuimage, system
-from torpor.apps import cli
+from torpor.apps import cli, render
 from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
 from torpor.core.rewind import written_sizes
@@ -220,6 +221,37 @@ def test_rendering_helpers() -> None:
     assert cli.human_bytes(3 * 2**30) == "3.0 GiB"
     assert cli.human_age(3725) == "1h02m"
     assert cli.table(["A", "BB"], [["xyz", "1"]]).splitlines() == ["A    BB", "xyz  1"]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0 s"),
+        (0.00085, "850 µs"),
+        (0.010898351669311523, "10.9 ms"),
+        (0.4321, "432 ms"),
+        (0.9996, "1.0 s"),  # not "1000 ms"
+        (3.24, "3.2 s"),
+        (42.4, "42 s"),
+        (59.96, "1 min"),
+        (252, "4 min 12 s"),
+        (600, "10 min"),
+        (3599.6, "1 h"),
+        (7479, "2 h 5 min"),
+        (86399, "1 d"),
+        (273600, "3 d 4 h"),
+        (-3, "-3.0 s"),
+        (float("nan"), "nan"),
+    ],
+)
+def test_a_duration_reads_as_a_person_says_it(seconds: float, text: str) -> None:
+    assert render.human_duration(seconds) == text
+
+
+def test_a_time_reads_as_local_time_and_an_age() -> None:
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", render.human_time(1_800_000_000))
+    assert render.human_ago(0.4) == "just now"
+    assert render.human_ago(312) == "5 min 12 s ago" and render.human_ago(-3.2) == "in 3 s"
 
 
 @pytest.mark.parametrize(

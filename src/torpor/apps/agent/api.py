@@ -8,26 +8,27 @@ job or checkpoint, 409 the job is in the wrong state, 500 the operation failed. 
 goes, one JSON object a line (``{"progress": …}``, ``{"warning": …}``), and ends with ``{"result": …}``
 or ``{"error": …}``.
 
-On TCP every request needs ``Authorization: Bearer TOKEN`` (the token file's content); on the unix
+On TCP every request needs ``Authorization: Bearer TOKEN`` (the token file's content), but for the page
+at ``/``, which a session of its sign-in form opens too (:mod:`torpor.apps.agent.login`); on the unix
 socket, which only root can open, none does.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from torpor import __version__
 from torpor.apps.agent import care, metrics, web, wire
+from torpor.apps.agent.login import PageLogin
 from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
 from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
 from torpor.core.context import Progress
@@ -123,20 +124,10 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     def scheduling() -> Scheduling:
         return agent.scheduling
 
-    @app.middleware("http")
-    async def bearer_on_tcp(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        server = request.scope.get("server")
-        if server is not None and server[1] is not None:  # TCP: (host, port); the unix socket: (path, None)
-            sent = request.headers.get("authorization", "")
-            if token is None or not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                return JSONResponse(
-                    {"error": "missing or wrong bearer token", "details": [], "exit_code": 2},
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        return await call_next(request)
+    login = PageLogin(token)
+    # on TCP: the bearer token, or for the page alone a session of its sign-in form (login.py says why)
+    app.middleware("http")(login.middleware())
+    login.add_routes(app)
 
     @app.exception_handler(TorporError)
     async def torpor_error(_: Request, error: TorporError) -> JSONResponse:
@@ -332,7 +323,15 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     metrics.add_routes(app, lambda: engine, records.events)
     web.add_routes(
-        app, lambda: engine, records.events, lambda: {n: c.policy for n, c in records.cares().items()}
+        app,
+        lambda: engine,
+        records.events,
+        lambda: {n: c.policy for n, c in records.cares().items()},
+        history=lambda: {
+            name: [(s.at, s.bytes) for s in ring] for name, ring in agent.history.samples().items()
+        },
+        queue=lambda: agent.scheduling.queue(),
+        signed_in=login.signed_in,
     )
     return app
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters import cgroups, system
+from torpor.apps.agent.history import SAMPLE_EVERY_S, MemoryHistory
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
 from torpor.core.engine import Engine
 from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
@@ -126,6 +127,8 @@ class Agent:
         self._nudged = threading.Event()
         self.controller = memory_controller(settings.home)
         self.scheduling = Scheduling(self, options.scheduling, controller=self.controller)
+        #: each job's memory over the last hour, for the page's charts (in memory only)
+        self.history = MemoryHistory(every_s=max(SAMPLE_EVERY_S, options.round_s))
 
     # -- starting and stopping -------------------------------------------------------------------------
 
@@ -195,6 +198,7 @@ class Agent:
             self._care_for_running(job, care.policy, now)
         for key in set(self._samples) - seen:
             del self._samples[key]  # ended, hibernated or restored: a restored job starts watching anew
+        self.history.sample(now, jobs)
         for hook in self.round_hooks:
             hook(jobs, cares)
         self.scheduling.round(now, jobs)
