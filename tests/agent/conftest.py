@@ -94,6 +94,15 @@ class AgentProcess:
         events = self.events()
         return int(events[-1]["id"]) if events else 0
 
+    def rounds(self) -> int:
+        return int(self.api.get("/v1/health").json()["rounds"])
+
+    def wait_rounds(self, count: int, timeout: float = 60) -> None:
+        """Until the agent has done ``count`` more rounds: a window in which something must not happen,
+        counted in the agent's own rounds rather than in seconds a loaded machine stretches."""
+        until = self.rounds() + count
+        self.wait_for(lambda: self.rounds() >= until, timeout, f"{count} rounds of the agent")
+
     def wait_for(self, predicate: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():

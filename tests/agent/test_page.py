@@ -42,6 +42,8 @@ from .browsing import (
 )
 
 __all__ = ["browser"]  # the fixture, for pytest
+# one browser for the module: make suite runs the browser tests on one worker
+pytestmark = pytest.mark.xdist_group("chromium")
 
 
 def test_an_empty_node_shows_the_timeline_and_an_unreadable_one_why(

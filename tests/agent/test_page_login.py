@@ -25,6 +25,8 @@ from .browsing import RAW_FLOAT, browser, made_up_node, read_page, screenshot, w
 from .conftest import AgentProcess
 
 __all__ = ["browser"]  # the fixture, for pytest
+# one browser for the module: make suite runs the browser tests on one worker
+pytestmark = pytest.mark.xdist_group("chromium")
 
 
 SECRET = "a-token-for-the-page-test-0123456789"

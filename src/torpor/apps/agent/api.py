@@ -143,13 +143,14 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
-        """The agent's version, pid, state directory, and whether the node drains."""
+        """The agent's version, pid, state directory, whether the node drains, and its rounds so far."""
         return {
             "version": __version__,
             "pid": os.getpid(),
             "home": str(agent.settings.home),
             "started_at": agent.started_at,
             "draining": agent.draining(),
+            "rounds": agent.rounds,
         }
 
     @app.get("/v1/jobs")

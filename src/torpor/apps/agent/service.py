@@ -129,6 +129,8 @@ class Agent:
         self.scheduling = Scheduling(self, options.scheduling, controller=self.controller)
         #: each job's memory over the last hour, for the page's charts (in memory only)
         self.history = MemoryHistory(every_s=max(SAMPLE_EVERY_S, options.round_s))
+        #: rounds done since the agent started (GET /v1/health): what "nothing happened for N rounds" counts
+        self.rounds = 0
 
     # -- starting and stopping -------------------------------------------------------------------------
 
@@ -202,6 +204,7 @@ class Agent:
         for hook in self.round_hooks:
             hook(jobs, cares)
         self.scheduling.round(now, jobs)
+        self.rounds += 1
         draining = self.draining()
         left = [j for j in jobs if j.state == JobState.RUNNING and j.name not in self._evacuation_tried]
         if draining and left and not self._evacuating.locked():
