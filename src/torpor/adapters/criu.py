@@ -17,10 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.adapters import system
-
 # CRIU's images are read in criuimage.py: dump() returns the statistics of its stats-dump image
 from torpor.adapters.criuimage import DumpStats, external_unix_peers, read_dump_stats
+from torpor.adapters.system import disk, private, procfs, sockets
 from torpor.errors import (
     CheckpointFailed,
     CriuUnavailable,
@@ -70,14 +69,14 @@ _BUSY_CWD = "Can't create a directory (-17)"
 def _dump_refusal(details: list[str]) -> str | None:
     """torpor's words for a dump CRIU refused because of whom a process of the tree runs as."""
     pid = next((int(m.group(1)) for line in details if (m := _TASK.search(line))), None)
-    who = f"pid {pid}, user {system.process_user(pid) or '?'}" if pid else "pid ?"
+    who = f"pid {pid}, user {procfs.process_user(pid) or '?'}" if pid else "pid ?"
     if any(_RLIMIT_REFUSED.search(line) for line in details):
         return (
             f"criu may not read the resource limits of a process of another user ({who}): root here lacks"
             " CAP_SYS_RESOURCE; run 'make setup' (it builds torpor's rlimit shim for criu with gcc;"
             " 'torpor doctor' says whether it works) or give root CAP_SYS_RESOURCE"
         )
-    if pid and any(_NO_PROC in line for line in details) and system.process_uid(pid) not in (0, None):
+    if pid and any(_NO_PROC in line for line in details) and procfs.process_uid(pid) not in (0, None):
         return (
             f"the job's first process ({who}) does not run as root, and CRIU cannot dump such a job in its"
             " own PID namespace; start the command through a parent that stays root, e.g."
@@ -130,7 +129,7 @@ FULL_BELOW = 1 << 20
 def _full(*paths: Path) -> bool:
     for path in paths:
         try:
-            if system.disk_free(path) < FULL_BELOW:
+            if disk.disk_free(path) < FULL_BELOW:
                 return True
         except OSError:
             continue
@@ -190,7 +189,7 @@ def external_socket_problem(log_path: Path) -> str | None:
         return None
     # a stream peer names the job's end as its own peer; a datagram receiver is connected to nobody
     inside = next((ino for ino, peer in peers.items() if peer == outside), 0)
-    holders = system.socket_holders(outside)
+    holders = sockets.socket_holders(outside)
     who = ", ".join(f"pid {pid} ({name})" for pid, name in holders) or "a process torpor cannot see"
     if names.get(inside):
         what = f"{who}, outside the job, is connected to the job's unix socket {names[inside]}"
@@ -238,14 +237,14 @@ class RestoreGate:
     @staticmethod
     def install(script: Path) -> Path:
         """Write :data:`GATE_SCRIPT` to ``script`` (an executable file), unless it is there already."""
-        return system.install_script(script, GATE_SCRIPT)
+        return private.install_script(script, GATE_SCRIPT)
 
     def env(self) -> dict[str, str]:
         return {"TORPOR_GATE_VERDICT": str(self.verdict), "TORPOR_GATE_PID": str(self.writer_pid)}
 
     def _say(self, text: str) -> None:
         tmp = self.verdict.with_name(f".{self.verdict.name}.tmp")
-        system.write_private(tmp, (text + "\n").encode())
+        private.write_private(tmp, (text + "\n").encode())
         os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
 
     def open(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.apps import machine, slurm
 from torpor.apps.agent import commands as agent_commands
 from torpor.apps.agent.locate import answers, socket_path
@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # everything torpor and CRIU create is private (images hold a job's memory); jobs keep the caller's
-    caller_umask = os.umask(system.PRIVATE_UMASK)
+    caller_umask = os.umask(private.PRIVATE_UMASK)
     try:
         settings = replace(Settings.from_environment(home=args.home, criu=args.criu), job_umask=caller_umask)
         if args.command_name == "doctor":

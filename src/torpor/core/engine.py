@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import gpu, netlock, system
+from torpor.adapters import gpu, netlock
+from torpor.adapters.system import private, procfs
 from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
@@ -129,9 +130,9 @@ class Engine:
             name = free_name(name_from_command(command), {job.name for job in self.records.jobs()})
         job_name = check_name(name)
         job_dir = self.settings.job_dir(job_name)
-        system.make_private_dirs(job_dir)
+        private.make_private_dirs(job_dir)
         # torchrun's store would hold an io_uring, which CRIU cannot dump: start it without (policy.torchrun)
-        interpreter = system.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
+        interpreter = procfs.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
         command = torchrun.without_libuv(command, interpreter) or command
         spec = LaunchSpec(
             self.settings.to_dict(),
@@ -165,7 +166,7 @@ class Engine:
         Its processes may still run, unsupervised (the launcher was killed, not the job): the record
         keeps their pid, so that ``stop``, ``resume --force`` and ``rm --force`` can end them.
         """
-        if job.state in SUPERVISED_STATES and job.launcher_pid and not system.is_alive(job.launcher_pid):
+        if job.state in SUPERVISED_STATES and job.launcher_pid and not procfs.is_alive(job.launcher_pid):
             if _tree_alive(job):
                 message = (
                     f"its launcher died; its processes still run unsupervised (pid {job.pid}): "
@@ -183,7 +184,7 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         rss = None
         if job.pid and (job.state in LIVE_STATES or unsupervised(job)):
-            rss = system.resident_bytes(system.namespace_members(job.pid))
+            rss = procfs.resident_bytes(procfs.namespace_members(job.pid))
         return JobStatus(job, rss, self.records.latest_checkpoint(job.name))
 
     def statuses(self) -> list[JobStatus]:
@@ -377,7 +378,7 @@ class Engine:
         rewound: Rewound | None = None
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
-            if previous.pid and not system.wait_gone(
+            if previous.pid and not procfs.wait_gone(
                 previous.pid, previous.pid_ticks, self.settings.pid_wait_s
             ):
                 raise RestoreFailed(
@@ -450,7 +451,7 @@ class Engine:
             # stopped, and it goes on now, whoever restored it
             restored = self.records.job(job.name)
             if restored.pid:
-                for pid in system.namespace_members(restored.pid):
+                for pid in procfs.namespace_members(restored.pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
             self.records.mark_stopped_dump(job.name, None)
@@ -504,7 +505,7 @@ class Engine:
                 os.kill(job.pid, step.signal)
             except ProcessLookupError:
                 break
-            if system.wait_gone(job.pid, job.pid_ticks, step.wait_s):
+            if procfs.wait_gone(job.pid, job.pid_ticks, step.wait_s):
                 break
         if orphaned:  # no launcher to record it
             self.records.set_fields(
@@ -536,7 +537,7 @@ class Engine:
             launcher = job.launcher_pid
             self.stop(job.name, grace_s=0)
             if launcher and launcher != os.getpid():  # let it finish with the record before it goes
-                system.wait_gone(launcher, None, 10)
+                procfs.wait_gone(launcher, None, 10)
         hibernation = self.records.latest_checkpoint(job.name)
         if job.state == JobState.HIBERNATED and hibernation is not None:
             self._release_network_lock(job.name, hibernation.id, quiet)
@@ -595,8 +596,8 @@ def _tree_alive(job: Job) -> bool:
     return (
         job.pid is not None
         and job.pid_ticks is not None
-        and system.is_alive(job.pid)
-        and system.start_ticks(job.pid) == job.pid_ticks
+        and procfs.is_alive(job.pid)
+        and procfs.start_ticks(job.pid) == job.pid_ticks
     )
 
 

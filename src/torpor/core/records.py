@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import NewType
 
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
 from torpor.policy.jobpolicy import JobPolicy
 
@@ -260,9 +260,9 @@ class Records:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            system.make_private_dirs(path.parent)
+            private.make_private_dirs(path.parent)
             # made 0600 before SQLite opens it: its -wal and -shm files take the database's mode
-            os.close(system.open_private(path, os.O_RDWR | os.O_CREAT))
+            os.close(private.open_private(path, os.O_RDWR | os.O_CREAT))
             db = self._connect()
             try:
                 db.executescript(_SCHEMA)

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from torpor.adapters import cgroups, system
+from torpor.adapters import cgroups
+from torpor.adapters.system import machine, procfs
 from torpor.core.engine import Engine, PreparedRun
 from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.records import (
@@ -137,7 +138,7 @@ class Scheduling:
     ) -> None:
         self.agent = agent
         self.records = agent.records
-        total = system.memory_total() if memory_total is None else memory_total
+        total = machine.memory_total() if memory_total is None else memory_total
         try:
             self.budget, self.reserve = scheduler.node_budget(total, options.budget, options.reserve)
         except ValueError as exc:
@@ -359,7 +360,7 @@ class Scheduling:
         for job in by_name.values():
             if job.name in submissions or job.state not in LIVE_STATES or job.pid is None:
                 continue
-            usage = system.resident_bytes(system.namespace_members(job.pid))
+            usage = procfs.resident_bytes(procfs.namespace_members(job.pid))
             seen.append(
                 scheduler.Job(
                     name=job.name,
@@ -399,7 +400,7 @@ class Scheduling:
             # the limit it had and what its cgroup held: the policy raises the limit it comes back with
             limit, cgroup_usage = submission.mem_limit, submission.cgroup_usage_at_hibernation
         elif job is not None and job.pid is not None and state != State.STARTING:
-            usage = system.resident_bytes(system.namespace_members(job.pid))
+            usage = procfs.resident_bytes(procfs.namespace_members(job.pid))
         if self.controller is not None and state in (State.RUNNING, State.HIBERNATING):
             try:
                 group = self._group(name)
