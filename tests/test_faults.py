@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import TORPOR, MountTmpfs, OutsideUnixServer, Torpor, python_job
-from torpor.adapters import criu
+from torpor.adapters import criulog
 from torpor.adapters.system import procfs
 from torpor.core import checkpoint
 from torpor.errors import CheckpointFailed, StorageFull
@@ -168,10 +168,10 @@ def test_a_dump_failing_on_a_full_disk_whose_log_was_cut_is_no_space_left(tmpfs:
                 filler.write(b"x" * 65536)
         except OSError:
             pass
-    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    error = criulog.dump_failure(os.getpid(), images, log, 1, "")
     assert isinstance(error, StorageFull) and "no space left" in str(error), error
     (small / "filler").unlink()
-    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    error = criulog.dump_failure(os.getpid(), images, log, 1, "")
     assert isinstance(error, CheckpointFailed) and "criu dump failed" in str(error), error
 
 

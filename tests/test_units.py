@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import TORPOR, holders
-from torpor.adapters import criu, criuimage
+from torpor.adapters import criu, criuimage, criulog
 from torpor.adapters.system import ownprocess
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
@@ -185,7 +185,7 @@ def test_log_excerpt_keeps_errors_once_and_drops_noise(tmp_path: Path) -> None:
         "(00.3) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device\n"
         "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.\n"
     )
-    assert criu.log_excerpt(log) == [
+    assert criulog.log_excerpt(log) == [
         "(00.2) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
         "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.",
     ]

@@ -29,8 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from torpor.adapters.criu import Criu, StreamedDump, log_excerpt
+from torpor.adapters.criu import Criu, StreamedDump
 from torpor.adapters.criuimage import DumpStats
+from torpor.adapters.criulog import log_excerpt
 from torpor.adapters.imagestreamer import ImageCapture
 from torpor.adapters.system import ownprocess, procfs, sockets
 from torpor.core import rewind
