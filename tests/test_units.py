@@ -19,7 +19,8 @@ from torpor.adapters import criu, criuimage, criulog
 from torpor.adapters.system import ownprocess
 from torpor.apps import cli
 from torpor.core import checkpoint as checkpointing
-from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
+from torpor.core.records import Records
+from torpor.core.recordtypes import Checkpoint, CheckpointId, JobName, JobState
 from torpor.core.rewind import written_sizes
 from torpor.errors import (
     CheckpointFailed,

@@ -30,7 +30,7 @@ from torpor.apps.agent.metrics import EngineSource, Event, EventSource, Snapshot
 from torpor.apps.agent.web import PolicySource
 from torpor.apps.render import human_bytes
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
 from torpor.policy.jobpolicy import JobPolicy
 from torpor.settings import Settings
 

@@ -23,7 +23,7 @@ from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import SCHEDULER_CAUSES, scheduling_fields, status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
+from torpor.core.recordtypes import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
 from torpor.policy import torchrun
 from torpor.settings import Settings

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from torpor.adapters.system import private, procfs
 from torpor.core.engine import Engine
-from torpor.core.records import JobState
+from torpor.core.recordtypes import JobState
 from torpor.core.store import remove_hot_tier
 from torpor.errors import DemoFailed, EnvironmentProblem, TorporError
 from torpor.settings import Settings

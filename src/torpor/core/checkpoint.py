@@ -37,7 +37,7 @@ from torpor.adapters.system import ownprocess, procfs, sockets
 from torpor.core import rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
-from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
 from torpor.errors import CheckpointFailed, JobExited, StorageFull, TorporError
 from torpor.policy import retention, retry
 

@@ -18,7 +18,8 @@ from torpor.adapters import gpu
 from torpor.adapters.criu import Criu, RestoreGate
 from torpor.adapters.imagestreamer import CAPTURE_SCRIPT
 from torpor.adapters.system import private
-from torpor.core.records import CheckpointId, JobName, Records
+from torpor.core.records import Records
+from torpor.core.recordtypes import CheckpointId, JobName
 from torpor.core.store import ImageStore, open_store
 from torpor.core.store import config as store_config
 from torpor.errors import EnvironmentProblem, UnsafePath

@@ -29,7 +29,7 @@ from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLaunche
 from torpor.core.launcher.release import release_gated, release_streamed
 from torpor.core.launcher.spawn import start_launcher
 from torpor.core.naming import check_name, free_name, name_from_command
-from torpor.core.records import (
+from torpor.core.recordtypes import (
     LIVE_STATES,
     RESTORABLE_STATES,
     SUPERVISED_STATES,
@@ -80,7 +80,7 @@ class Engine:
     """The operations a user asks for, on one state directory; the CLI, Slurm and the demo drive it.
 
     Names come as the user typed them (``str``) and are looked up in the records first; from there on
-    they are the record's :data:`~torpor.core.records.JobName`.
+    they are the record's :data:`~torpor.core.recordtypes.JobName`.
     """
 
     def __init__(

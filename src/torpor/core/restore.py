@@ -24,7 +24,7 @@ from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
 from torpor.adapters.system import ownprocess, procfs
 from torpor.core.context import Context, Progress, quiet
-from torpor.core.records import CheckpointId, Job, JobState
+from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
 from torpor.errors import TorporError

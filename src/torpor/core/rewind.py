@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torpor.adapters.criuimage import OpenFile, open_files
 from torpor.adapters.system import private
-from torpor.core.records import CheckpointId
+from torpor.core.recordtypes import CheckpointId
 from torpor.errors import FilesChanged, RestoreFailed
 from torpor.policy import rewind as policy
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from torpor.adapters import wake
 from torpor.adapters.system import procfs
-from torpor.core.records import Job, JobState, Records
+from torpor.core.records import Records
+from torpor.core.recordtypes import Job, JobState
 from torpor.errors import UsageError
 from torpor.policy.jobpolicy import JobPolicy
 

@@ -22,7 +22,8 @@ from torpor.apps.agent import care
 from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import event_to_dict
 from torpor.apps.render import emit_json, human_bytes, progress, table
-from torpor.core.records import Event, Records
+from torpor.core.records import Records
+from torpor.core.recordtypes import Event
 from torpor.errors import UsageError
 from torpor.policy.jobpolicy import JobPolicy, parse_duration
 from torpor.policy.scheduler import parse_size

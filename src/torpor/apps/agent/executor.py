@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from torpor.adapters import cgroups
 from torpor.core.engine import Engine, PreparedRun
-from torpor.core.records import Checkpoint, JobName, JobState, Records, Submission
+from torpor.core.records import Records
+from torpor.core.recordtypes import Checkpoint, JobName, JobState, Submission
 from torpor.errors import TorporError
 from torpor.policy import retry, scheduler
 from torpor.policy.jobpolicy import format_duration

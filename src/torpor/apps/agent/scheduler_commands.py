@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.apps.agent.commands import AddParser, connected
 from torpor.apps.render import emit_json, human_age, size_or_dash, table
-from torpor.core.records import CheckpointId
+from torpor.core.recordtypes import CheckpointId
 from torpor.errors import EnvironmentProblem, UsageError
 from torpor.policy.scheduler import format_size
 from torpor.settings import Settings

@@ -34,7 +34,7 @@ from torpor.adapters import cgroups
 from torpor.adapters.system import machine, procfs
 from torpor.apps.agent.executor import Agent, Executor
 from torpor.core.naming import check_name, free_name, name_from_command
-from torpor.core.records import LIVE_STATES, Checkpoint, Job, JobName, JobState, Quota, Submission
+from torpor.core.recordtypes import LIVE_STATES, Checkpoint, Job, JobName, JobState, Quota, Submission
 from torpor.errors import TorporError, UsageError
 from torpor.policy import scheduler
 from torpor.policy.scheduler import (

@@ -28,7 +28,7 @@ from torpor.adapters import cgroups
 from torpor.adapters.system import private, procfs, sockets
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
 from torpor.core.engine import Engine
-from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
+from torpor.core.recordtypes import Care, Checkpoint, Job, JobName, JobState
 from torpor.core.store import DURABLE
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy import evacuation, idle, periodic

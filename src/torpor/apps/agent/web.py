@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse
 
 from torpor.apps.agent.metrics import EngineSource, Event, EventSource, Snapshot, read_snapshot
 from torpor.apps.render import human_age, human_bytes
-from torpor.core.records import Checkpoint, JobState
+from torpor.core.recordtypes import Checkpoint, JobState
 from torpor.core.store import DURABLE, StoredImage
 from torpor.errors import TorporError
 

@@ -35,7 +35,7 @@ from torpor.core.checkpoint import checkpoint_in_launcher
 from torpor.core.context import Context, Progress
 from torpor.core.launcher import protocol
 from torpor.core.launcher.protocol import LauncherEnds, LaunchMode, LaunchSpec, RestoreSpec, Started
-from torpor.core.records import JobState
+from torpor.core.recordtypes import JobState
 from torpor.core.restore import restore_into_launcher
 from torpor.errors import JobExited, JobNotFound, JobStartFailed, TorporError
 
