@@ -18,7 +18,8 @@ CheckpointId = NewType("CheckpointId", str)
 
 
 class JobState(StrEnum):
-    """Where a job is in its life; every change is a :meth:`~torpor.core.records.Records.transition` from the expected one."""
+    """Where a job is in its life; every change is a :meth:`~torpor.core.records.Records.transition` from
+    the expected one."""
 
     STARTING = "starting"
     RUNNING = "running"
@@ -131,7 +132,8 @@ class Submission:
         return self.started_at is None
 
 
-#: the fields of a submission the scheduler changes as it goes (:meth:`~torpor.core.records.Records.update_submission`)
+#: the fields of a submission the scheduler changes as it goes
+#: (:meth:`~torpor.core.records.Records.update_submission`)
 SUBMISSION_MARKS = frozenset(
     {
         "started_at",

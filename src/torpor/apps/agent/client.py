@@ -1,8 +1,8 @@
 """A typed client of the agent's API, and the engine the CLI uses when an agent runs.
 
 ``AgentClient`` speaks to the unix socket of a state directory (or a TCP address with a token) and
-returns torpor's own types (:class:`~torpor.core.recordtypes.Job`, :class:`~torpor.core.recordtypes.Checkpoint`,
-:class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as the error the engine raised there,
+returns torpor's own types (:class:`~torpor.core.recordtypes.Job`,
+:class:`~torpor.core.recordtypes.Checkpoint`, :class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as the error the engine raised there,
 with the message and exit code the CLI would have had embedded.
 """
 
