@@ -41,6 +41,7 @@ from torpor.core.recordtypes import (
 )
 from torpor.core.restore import LAZY_KILL, prepare_world
 from torpor.core.rewind import Rewound
+from torpor.core.starting import PreparedRun
 from torpor.core.store import (
     DURABLE,
     Check,
@@ -117,8 +118,8 @@ class Engine:
         cgroup: Path | None = None,
     ) -> PreparedRun:
         """Check a start and have its launcher start up (a new interpreter, ~0.3 s), waiting for
-        :meth:`PreparedRun.go`: the scheduler prepares the job a victim makes room for while the victim
-        is being hibernated. The job's record is made only at ``go``."""
+        :meth:`~torpor.core.starting.PreparedRun.go`: the scheduler prepares the job a victim makes room
+        for while the victim is being hibernated. The job's record is made only at ``go``."""
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         self.refuse_if_draining("start a job")
@@ -142,7 +143,14 @@ class Engine:
             umask,
             None if cgroup is None else str(cgroup),
         )
-        return PreparedRun(self, job_name, command, cwd, start_launcher(spec, job_dir / "launcher.log"))
+        return PreparedRun(
+            self.records,
+            self.settings,
+            job_name,
+            command,
+            cwd,
+            start_launcher(spec, job_dir / "launcher.log"),
+        )
 
     def refuse_if_draining(self, what: str) -> None:
         """A draining node (``torpor drain``, a notice, the agent's shutdown) takes no new work."""
@@ -552,43 +560,6 @@ class Engine:
 
     def log_path(self, name: str) -> Path:
         return Path(self.records.job(name).log_path)
-
-
-@dataclass
-class PreparedRun:
-    """A job's start checked and its launcher up, waiting: :meth:`go` starts it, :meth:`cancel` calls it off."""
-
-    engine: Engine
-    name: JobName
-    command: list[str]
-    cwd: str
-    launcher: PendingLauncher
-
-    def go(self) -> Job:
-        """Make the job's record and let its launcher start it; the job as it runs (or the start's error)."""
-        records = self.engine.records
-        try:
-            records.create_job(
-                self.name, self.command, self.cwd, str(self.engine.settings.job_dir(self.name) / "output.log")
-            )
-        except BaseException:
-            self.launcher.abort()
-            raise
-        try:
-            self.launcher.release()
-        except TorporError:
-            if records.job(self.name).state == JobState.STARTING:
-                records.transition(self.name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
-            raise
-        return records.job(self.name)
-
-    def cancel(self) -> None:
-        """The launcher exits without starting anything; the job's folder goes unless a job has it."""
-        self.launcher.abort()
-        try:
-            self.engine.records.job(self.name)
-        except JobNotFound:
-            shutil.rmtree(self.engine.settings.job_dir(self.name), ignore_errors=True)
 
 
 def _tree_alive(job: Job) -> bool:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torpor.adapters import cgroups
-from torpor.core.engine import Engine, PreparedRun
+from torpor.core.engine import Engine
 from torpor.core.records import Records
 from torpor.core.recordtypes import Checkpoint, JobName, JobState, Submission
+from torpor.core.starting import PreparedRun
 from torpor.errors import TorporError
 from torpor.policy import retry, scheduler
 from torpor.policy.jobpolicy import format_duration
