@@ -46,10 +46,10 @@ from pathlib import Path
 
 from benchdoc import DOC, cpu_model, dir_bytes, median, memory_total, publish, say, wait_for
 
-from torpor.adapters import system
 from torpor.adapters.criu import GHOST_LIMIT, NO_TCP_DUMP_OPTIONS, Criu
 from torpor.adapters.criuimage import read_dump_stats
 from torpor.adapters.imagestreamer import ImageStreamer
+from torpor.adapters.system import ownprocess, procfs
 from torpor.core.engine import Engine
 from torpor.core.store import remove_hot_tier
 from torpor.settings import Settings
@@ -400,7 +400,7 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
                 f"{result.raw_restore_busy.values[-1]:.2f} s; streamed "
                 f"{result.raw_restore_streamed.values[-1]:.2f} s"
             )
-        wait_for(lambda: system.is_alive(raw.pid), "the raw workload to run after its restore", 10)
+        wait_for(lambda: procfs.is_alive(raw.pid), "the raw workload to run after its restore", 10)
         raw.kill()
         job = TorporJob(engine, f"mem-{size // 2**20}m-2", command)
         job.wait_ready()
@@ -416,7 +416,7 @@ def bench_memory(engine: Engine, criu: Path, work: Path, hot: Path, size: int, r
                 f"restore {result.torpor_restore.values[-1]:.2f} s; right after a checkpoint: frozen "
                 f"{result.torpor_hib_taken.freeze_s.values[-1]:.2f} s"
             )
-        wait_for(lambda: system.is_alive(job.pid()), "the torpor job to run after its resume", 10)
+        wait_for(lambda: procfs.is_alive(job.pid()), "the torpor job to run after its resume", 10)
     finally:
         raw.kill()
         job.remove()
@@ -935,7 +935,7 @@ def main() -> int:
     if os.geteuid() != 0:
         say("make bench needs root (CRIU dumps and restores processes)")
         return 3
-    system.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
+    ownprocess.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
     started = time.monotonic()
     with workspace(args.keep) as work:
         settings = Settings.from_environment(home=str(work / "home"))

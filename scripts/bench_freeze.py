@@ -9,7 +9,7 @@ in turn, ``--repeat`` times (default 5), rotating which of the four kinds goes f
 - **plain CRIU**: ``criu dump -t PID --leave-running -D DIR -o LOG``, DIR on the tmpfs of torpor's hot
   tier: the command a user would type (CRIU's default verbosity), the anchor.
 - **plain CRIU, CPUs held**: that command while the benchmark holds the CPUs quick to wake as torpor
-  does (``system.cpu_wakeups_held``): what that alone is worth.
+  does (``ownprocess.cpu_wakeups_held``): what that alone is worth.
 - **torpor's former options**: the same process dumped with the options torpor used for every job
   before it looked for TCP sockets (``-v4 --tcp-established --file-locks --network-lock nftables
   --ghost-limit 1G``), into the same tmpfs: what torpor's freeze was.
@@ -61,9 +61,9 @@ from bench import (
 )
 from benchdoc import DOC, median, publish, say
 
-from torpor.adapters import system
 from torpor.adapters.criu import Criu
 from torpor.adapters.criuimage import read_dump_stats
+from torpor.adapters.system import ownprocess
 from torpor.core.engine import Engine
 from torpor.settings import Settings
 
@@ -200,7 +200,7 @@ def bench_size(engine: Engine, criu: Path, work: Path, hot: Path, size: int, rep
 
         def held_side() -> None:
             raw_felt.skip()
-            with system.cpu_wakeups_held():
+            with ownprocess.cpu_wakeups_held():
                 result.held.frozen.add(plain("held"))
             result.held.felt.add(raw_felt.largest())
 
@@ -233,7 +233,7 @@ def bench_size(engine: Engine, criu: Path, work: Path, hot: Path, size: int, rep
                 )
             )
         plain("plain", verbose=True)  # once more each with -v4, for their profiles
-        with system.cpu_wakeups_held():
+        with ownprocess.cpu_wakeups_held():
             plain("held", verbose=True)
         result.profiles = {kind: profile(log) for kind, log in last_logs.items()}
     finally:
@@ -389,7 +389,7 @@ def render(
         "- **plain CRIU**: `criu dump -t PID --leave-running -D DIR -o LOG`, the command a user would type, on "
         "a plain process in its own PID namespace holding the same memory: the anchor.",
         "- **plain CRIU, CPUs held**: the same command while this benchmark holds the CPUs quick to wake, as "
-        "torpor does (a PM QoS request of 0 µs on `/dev/cpu_dma_latency`, `system.cpu_wakeups_held`): "
+        "torpor does (a PM QoS request of 0 µs on `/dev/cpu_dma_latency`, `ownprocess.cpu_wakeups_held`): "
         "what that alone is worth.",
         "- **torpor's former options**: that process dumped as torpor dumped every job before it looked for "
         "TCP sockets (`-v4 --tcp-established --file-locks --network-lock nftables --ghost-limit 1G`), CPUs "
@@ -491,7 +491,7 @@ def main() -> int:
     if os.geteuid() != 0:
         say("bench_freeze needs root (CRIU dumps processes)")
         return 3
-    system.become_subreaper()
+    ownprocess.become_subreaper()
     started = time.monotonic()
     with workspace(False) as work:
         settings = Settings.from_environment(home=str(work / "home"))

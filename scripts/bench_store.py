@@ -507,11 +507,11 @@ def settle(drop: bool = True) -> None:
 
 def launcher_gone(bench: Bench, name: str) -> None:
     """Wait for a hibernated job's launcher to exit before restoring it (see scripts/bench.py)."""
-    from torpor.adapters import system
+    from torpor.adapters.system import procfs
 
     pid = bench.engine.records.job(name).launcher_pid
     if pid:
-        wait_for(lambda: not system.is_alive(pid), "the launcher to exit", 30)
+        wait_for(lambda: not procfs.is_alive(pid), "the launcher to exit", 30)
 
 
 def main() -> int:
@@ -523,9 +523,9 @@ def main() -> int:
         "--only", choices=["incremental", "lazy", "zeros", "destager", "borg"], action="append"
     )
     args = parser.parse_args()
-    from torpor.adapters import system
+    from torpor.adapters.system import ownprocess
 
-    system.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
+    ownprocess.become_subreaper()  # raw `criu restore -d` trees are re-parented to us, so we can reap them
     work = Path(tempfile.mkdtemp(prefix="torpor-bench-store-", dir="/var/tmp"))
     bench = Bench(work, args.repeat)
     started = time.monotonic()

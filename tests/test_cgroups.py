@@ -31,8 +31,9 @@ from typing import TypeVar
 import pytest
 
 from conftest import JOBS, Torpor
-from torpor.adapters import cgroups, system
+from torpor.adapters import cgroups
 from torpor.adapters.cgroups import JobCgroup, MemoryController, NoMemoryController
+from torpor.adapters.system import ownprocess, procfs
 from torpor.errors import EnvironmentProblem, UsageError
 
 MiB = 1 << 20
@@ -103,7 +104,7 @@ def running_in(job: JobCgroup, args: list[str]) -> Iterator[subprocess.Popen[str
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         text=True,
-        preexec_fn=lambda: system.join_cgroup(job.path),
+        preexec_fn=lambda: ownprocess.join_cgroup(job.path),
     ) as process:
         try:
             yield process
@@ -362,7 +363,7 @@ def test_a_job_past_its_limit_stalls_and_goes_on_when_it_is_raised(controller: M
     with running_in(job, stepper(8, 160)) as process:
         wait_until(job.stalled, "the job to stall at its limit")
         assert process.poll() is None, "a job at its limit must not be killed"
-        assert system.process_state(process.pid) == "D"
+        assert procfs.process_state(process.pid) == "D"
         assert 60 * MiB <= job.usage() <= 64 * MiB
         assert job.oom_kills() == 0
         job.set_limit(256 * MiB)
@@ -402,7 +403,7 @@ def test_a_stalled_job_is_stopped_without_growing(controller: MemoryController) 
         wait_until(job.stalled, "the job to stall at its limit")
         stalled_at = job.usage()
         assert job.unstall_for_dump()
-        assert system.process_state(process.pid) == "T"
+        assert procfs.process_state(process.pid) == "T"
         assert not job.stalled()
         limit = job.limit()
         assert limit is not None and stalled_at < limit <= stalled_at + cgroups.DUMP_MARGIN
@@ -471,7 +472,7 @@ def test_a_stalled_torpor_job_is_hibernated_and_finishes_after_its_restore(
         job.set_limit(400 * MiB)  # before the restore: the folder exists, CRIU keeps its limit
         torpor.run("resume", "grower")
         pids = job.pids()
-        assert pids and all(system.process_state(pid) == "T" for pid in pids), "CRIU restores it stopped"
+        assert pids and all(procfs.process_state(pid) == "T" for pid in pids), "CRIU restores it stopped"
         assert job.continue_processes() == pids
         log = torpor.wait_log("grower", "done")
         assert "done True" in log and "held 200" in log

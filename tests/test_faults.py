@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from conftest import TORPOR, MountTmpfs, OutsideUnixServer, Torpor, python_job
-from torpor.adapters import criu, system
+from torpor.adapters import criulog
+from torpor.adapters.system import procfs
 from torpor.core import checkpoint
 from torpor.errors import CheckpointFailed, StorageFull
 
@@ -30,8 +31,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, t
 def assert_running_not_frozen(torpor: Torpor, name: str) -> None:
     job = torpor.job(name)
     assert job["state"] == "running", job
-    pids = system.namespace_members(job["pid"])
-    assert pids and all(system.process_state(pid) not in ("T", "t") for pid in pids)
+    pids = procfs.namespace_members(job["pid"])
+    assert pids and all(procfs.process_state(pid) not in ("T", "t") for pid in pids)
     before = torpor.log(name).count("\n")
     torpor.wait_for(lambda: torpor.log(name).count("\n") > before + 2, what=f"{name} to make progress")
 
@@ -167,10 +168,10 @@ def test_a_dump_failing_on_a_full_disk_whose_log_was_cut_is_no_space_left(tmpfs:
                 filler.write(b"x" * 65536)
         except OSError:
             pass
-    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    error = criulog.dump_failure(os.getpid(), images, log, 1, "")
     assert isinstance(error, StorageFull) and "no space left" in str(error), error
     (small / "filler").unlink()
-    error = criu.dump_failure(os.getpid(), images, log, 1, "")
+    error = criulog.dump_failure(os.getpid(), images, log, 1, "")
     assert isinstance(error, CheckpointFailed) and "criu dump failed" in str(error), error
 
 
@@ -280,7 +281,7 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
 
 def traced(pid: int) -> bool:
     """Whether a process of job ``pid``'s tree is being traced (by CRIU, during a dump)."""
-    for member in system.namespace_members(pid):
+    for member in procfs.namespace_members(pid):
         try:
             status = Path(f"/proc/{member}/status").read_text()
         except OSError:
@@ -300,7 +301,7 @@ def test_a_job_whose_launcher_was_killed_is_reported_and_can_be_stopped_resumed_
     def orphan() -> int:
         job = torpor.job("o")
         os.kill(job["launcher_pid"], signal.SIGKILL)
-        torpor.wait_for(lambda: not system.is_alive(job["launcher_pid"]), what="the launcher to die")
+        torpor.wait_for(lambda: not procfs.is_alive(job["launcher_pid"]), what="the launcher to die")
         return int(job["pid"])
 
     torpor.run("run", "--name", "o", *python_job("counter.py"))
@@ -311,10 +312,10 @@ def test_a_job_whose_launcher_was_killed_is_reported_and_can_be_stopped_resumed_
     assert "its launcher died; its processes still run unsupervised" in torpor.run("ps").stdout
     assert_one_line_error(torpor.run("resume", "o", check=False), 2, "running unsupervised")
     assert_one_line_error(torpor.run("checkpoint", "o", check=False), 2, "runs unsupervised")
-    assert system.is_alive(pid)
+    assert procfs.is_alive(pid)
 
     torpor.run("resume", "o", "--force")
-    assert not system.is_alive(pid)
+    assert not procfs.is_alive(pid)
     job = torpor.job("o")
     assert job["state"] == "running" and job["restored_from"]
     assert_running_not_frozen(torpor, "o")
@@ -322,14 +323,14 @@ def test_a_job_whose_launcher_was_killed_is_reported_and_can_be_stopped_resumed_
     pid = orphan()
     stopped = torpor.run("stop", "o", "--timeout", "0")
     assert "stopped its unsupervised processes" in stopped.stdout
-    assert not system.is_alive(pid) and torpor.job("o")["pid"] is None
+    assert not procfs.is_alive(pid) and torpor.job("o")["pid"] is None
 
     torpor.run("resume", "o")
     pid = orphan()
-    members = system.namespace_members(pid)
+    members = procfs.namespace_members(pid)
     assert_one_line_error(torpor.run("rm", "o", check=False), 2, "running unsupervised")
     torpor.run("rm", "o", "--force")
-    assert not any(system.is_alive(member) for member in members)
+    assert not any(procfs.is_alive(member) for member in members)
     assert not list((torpor.home / "run").glob("o.sock"))
 
 

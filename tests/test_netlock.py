@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from conftest import Torpor, python_job
-from torpor.adapters import netlock, system
+from torpor.adapters import netlock
+from torpor.adapters.system import procfs, sockets
 from torpor.core import checkpoint
 
 NFT_PATH = os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin:/sbin"
@@ -92,7 +93,7 @@ def test_a_connection_the_look_missed_fails_the_first_dump_and_the_second_takes_
     with connected_job(torpor, "racer", server) as peer:
         engine = torpor.engine()
         pid = torpor.job("racer")["pid"]
-        assert system.has_tcp_sockets(system.namespace_members(pid))
+        assert sockets.has_tcp_sockets(procfs.namespace_members(pid))
         tried: list[bool] = []
         criu = engine.ctx.criu
 

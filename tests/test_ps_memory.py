@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Torpor, python_job
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 
 pytestmark = [pytest.mark.root("to run a job in its own PID namespace"), pytest.mark.timeout(60)]
 
@@ -26,7 +26,7 @@ def test_ps_counts_shared_memory_once(torpor: Torpor) -> None:
     torpor.run("run", "--name", "shared", *python_job("shared_memory.py", *args))
     torpor.wait_log("shared", "ready")
     job = torpor.job("shared")
-    pids = system.namespace_members(job["pid"])
+    pids = procfs.namespace_members(job["pid"])
     assert len(pids) == CHILDREN + 1
     allocated = (SHARED_MIB + PRIVATE_MIB) << 20
     upper = allocated + len(pids) * (PER_PROCESS_MIB << 20)

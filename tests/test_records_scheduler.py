@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.core.records import JobName, Quota, Records, Submission
+from torpor.core.records import Records
+from torpor.core.recordtypes import JobName, Quota, Submission
 from torpor.errors import UsageError
 
 

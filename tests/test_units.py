@@ -16,10 +16,12 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import TORPOR, holders
-from torpor.adapters import criu, criuimage, system
+from torpor.adapters import criu, criuimage, criulog
+from torpor.adapters.system import ownprocess
 from torpor.apps import cli, render
 from torpor.core import checkpoint as checkpointing
-from torpor.core.records import Checkpoint, CheckpointId, JobName, JobState, Records
+from torpor.core.records import Records
+from torpor.core.recordtypes import Checkpoint, CheckpointId, JobName, JobState
 from torpor.core.rewind import written_sizes
 from torpor.errors import (
     CheckpointFailed,
@@ -185,7 +187,7 @@ def test_log_excerpt_keeps_errors_once_and_drops_noise(tmp_path: Path) -> None:
         "(00.3) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device\n"
         "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.\n"
     )
-    assert criu.log_excerpt(log) == [
+    assert criulog.log_excerpt(log) == [
         "(00.2) Error (criu/bfd.c:131): bfd: Error flushing image: No space left on device",
         "(00.4) Error (criu/cr-dump.c:1975): Dumping FAILED.",
     ]
@@ -336,12 +338,12 @@ def test_holders_are_the_processes_that_have_the_file_open(tmp_path: Path) -> No
 
 
 def _cpu_latency_us() -> int:
-    with open(system.CPU_LATENCY_DEVICE, "rb") as device:
+    with open(ownprocess.CPU_LATENCY_DEVICE, "rb") as device:
         return int.from_bytes(device.read(4), sys.byteorder, signed=True)
 
 
 @pytest.mark.root("the PM QoS device is root's")
-@pytest.mark.skipif(not system.CPU_LATENCY_DEVICE.exists(), reason="no /dev/cpu_dma_latency")
+@pytest.mark.skipif(not ownprocess.CPU_LATENCY_DEVICE.exists(), reason="no /dev/cpu_dma_latency")
 def test_the_cpus_are_kept_quick_to_wake_while_criu_dumps_and_let_be_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -352,7 +354,7 @@ def test_the_cpus_are_kept_quick_to_wake_while_criu_dumps_and_let_be_after(
     fake.write_text(
         FAKE_CRIU.replace(
             'echo x >> "$dir/../attempts"',
-            f'echo x >> "$dir/../attempts"\nod -An -t d4 {system.CPU_LATENCY_DEVICE} > "$dir/../seen"',
+            f'echo x >> "$dir/../attempts"\nod -An -t d4 {ownprocess.CPU_LATENCY_DEVICE} > "$dir/../seen"',
         )
     )
     fake.chmod(0o755)
@@ -375,16 +377,16 @@ def test_the_cpus_are_kept_quick_to_wake_while_criu_dumps_and_let_be_after(
 
 
 def test_holding_the_cpus_quick_to_wake_takes_only_the_kernels_device(tmp_path: Path) -> None:
-    with system.cpu_wakeups_held(device=tmp_path / "missing") as made:
+    with ownprocess.cpu_wakeups_held(device=tmp_path / "missing") as made:
         assert not made
     planted = tmp_path / "planted"
     planted.write_bytes(b"keep")
-    with system.cpu_wakeups_held(device=planted) as made:
+    with ownprocess.cpu_wakeups_held(device=planted) as made:
         assert not made
     assert planted.read_bytes() == b"keep"  # a regular file put in its place is not written
     link = tmp_path / "link"
     link.symlink_to(planted)
-    with system.cpu_wakeups_held(device=link) as made:
+    with ownprocess.cpu_wakeups_held(device=link) as made:
         assert not made
     assert planted.read_bytes() == b"keep"
 

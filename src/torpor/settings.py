@@ -67,7 +67,7 @@ class Settings:
     #: itself
     stream_dump: bool = True
     #: keep the CPUs out of slow idle states while CRIU dumps or restores (a PM QoS request of 0 µs on
-    #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.cpu_wakeups_held`); off: leave them be
+    #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.ownprocess.cpu_wakeups_held`); off: leave them be
     hold_cpu_wakeups: bool = True
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started

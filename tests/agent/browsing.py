@@ -24,7 +24,7 @@ from torpor.apps.agent import metrics, web
 from torpor.apps.agent.metrics import EngineSource, Event, EventSource
 from torpor.apps.agent.web import HistorySource, PolicySource, QueueSource
 from torpor.core.engine import JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
 from torpor.core.store.base import StoredImage
 
 CHROMIUM = Path("/usr/bin/chromium")

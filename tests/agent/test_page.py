@@ -25,7 +25,7 @@ from torpor.apps.agent import web
 from torpor.apps.agent.metrics import Event, Snapshot
 from torpor.apps.render import human_bytes, human_duration, human_time
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, Job, JobName, JobState
 from torpor.policy.jobpolicy import JobPolicy
 from torpor.settings import Settings
 

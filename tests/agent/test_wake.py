@@ -1,4 +1,4 @@
-"""Wake on connect, the socket part (adapters/wake.py, system.listening_sockets): real sockets on 127.0.0.1.
+"""Wake on connect, the socket part (adapters/wake.py, sockets.listening_sockets): real sockets on 127.0.0.1.
 
 - ``listening_sockets`` reports the exact addresses a process listens on (127.0.0.1, 0.0.0.0, ::1; the one
   test that listens on 0.0.0.0, for a moment, so that it can be told from 127.0.0.1), not
@@ -39,8 +39,9 @@ from pathlib import Path
 import pytest
 
 from conftest import Torpor, free_port
-from torpor.adapters import system, wake
-from torpor.adapters.system import TcpAddress
+from torpor.adapters import wake
+from torpor.adapters.system import procfs, sockets
+from torpor.adapters.system.sockets import TcpAddress
 from torpor.adapters.wake import PortHolder, RelayReport
 from torpor.errors import UsageError
 
@@ -96,7 +97,7 @@ class HttpServer:
             stderr=subprocess.DEVNULL,
         )
         deadline = started + 30
-        while not system.is_listening(TcpAddress("127.0.0.1", self.port)):
+        while not sockets.is_listening(TcpAddress("127.0.0.1", self.port)):
             assert self.process.poll() is None, "http.server exited"
             assert time.monotonic() < deadline, "http.server never listened"
             time.sleep(0.01)
@@ -218,10 +219,10 @@ def test_listening_sockets_are_the_exact_addresses_listened_on() -> None:
                 TcpAddress(host, int(port)) for host, port in (item.split(",") for item in line)
             )
             assert [a.host for a in expected] == sorted(["127.0.0.1", "0.0.0.0", *(["::1"] if v6 else [])])
-            assert system.listening_sockets([process.pid]) == expected
-            assert system.listening_sockets([os.getpid()]) == []  # this test listens on nothing
+            assert sockets.listening_sockets([process.pid]) == expected
+            assert sockets.listening_sockets([os.getpid()]) == []  # this test listens on nothing
             loopback = next(a for a in expected if a.host == "127.0.0.1")
-            assert [(pid, address) for pid, _, address in system.port_listeners(loopback.port)] == [
+            assert [(pid, address) for pid, _, address in sockets.port_listeners(loopback.port)] == [
                 (process.pid, loopback)
             ]
             assert str(loopback) == f"127.0.0.1:{loopback.port}"
@@ -241,7 +242,7 @@ def test_a_port_in_use_is_refused_at_start() -> None:
             ):
                 holder.start()
             holder.close()
-        assert [(pid, address) for pid, _, address in system.port_listeners(port)] == [
+        assert [(pid, address) for pid, _, address in sockets.port_listeners(port)] == [
             (os.getpid(), TcpAddress("127.0.0.1", port))
         ]
     with pytest.raises(UsageError, match="not an IP address"):
@@ -428,11 +429,11 @@ def test_a_hibernated_http_server_is_woken_by_curl(
     command = [sys.executable, "-m", "http.server", "-b", "127.0.0.1", "-d", str(site), str(port)]
     torpor.run("run", "--name", "web", "--", *command)
     torpor.wait_log("web", "Serving HTTP")
-    members = system.namespace_members(int(torpor.job("web")["pid"]))
-    addresses = system.listening_sockets(members)
+    members = procfs.namespace_members(int(torpor.job("web")["pid"]))
+    addresses = sockets.listening_sockets(members)
     assert addresses == [TcpAddress("127.0.0.1", port)]
     torpor.run("hibernate", "web")
-    assert not system.is_listening(addresses[0])
+    assert not sockets.is_listening(addresses[0])
 
     restore: list[float] = []
 
@@ -553,8 +554,8 @@ def test_a_restored_job_binds_its_port_while_connections_are_held_without_so_reu
     port = free_port()
     torpor.run("run", "--name", "plain", "--", sys.executable, "-u", "-c", NO_REUSE_JOB, str(port))
     torpor.wait_log("plain", "listening")
-    members = system.namespace_members(int(torpor.job("plain")["pid"]))
-    addresses = system.listening_sockets(members)
+    members = procfs.namespace_members(int(torpor.job("plain")["pid"]))
+    addresses = sockets.listening_sockets(members)
     assert addresses == [TcpAddress("127.0.0.1", port)]
     torpor.run("hibernate", "plain")
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import JOBS, Torpor, python_job
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -37,17 +37,17 @@ def test_io_uring_users_finds_a_ring_by_its_descriptor_or_its_mapping(holds: str
     )
     try:
         assert job.stdout is not None and job.stdout.readline().startswith("ready")
-        assert system.io_uring_users([job.pid, os.getpid()]) == [job.pid]
-        assert "io_uring_job.py " + holds in system.command_line(job.pid)
+        assert procfs.io_uring_users([job.pid, os.getpid()]) == [job.pid]
+        assert "io_uring_job.py " + holds in procfs.command_line(job.pid)
         # too long for the limit, wherever the checkout is: the paths are cut to their last part first
         expected = f"{os.path.basename(sys.executable)} -u io_uring_job.py {holds}"
-        short = system.command_line(job.pid, limit=len(expected))
+        short = procfs.command_line(job.pid, limit=len(expected))
         assert short == expected
     finally:
         job.kill()
         job.wait()
         job.stdout.close()
-    assert system.io_uring_users([job.pid]) == []  # gone: nothing to refuse
+    assert procfs.io_uring_users([job.pid]) == []  # gone: nothing to refuse
 
 
 @pytest.mark.criu

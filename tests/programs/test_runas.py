@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Torpor
-from torpor.adapters import system
+from torpor.adapters.system import machine, procfs
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -33,7 +33,7 @@ pytestmark = [
 
 SHIM_SOURCE = Path(__file__).parents[2] / "scripts" / "criu-rlimits.c"
 PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
-NO_CAP = system.has_capability(system.CAP_SYS_RESOURCE) is False
+NO_CAP = machine.has_capability(machine.CAP_SYS_RESOURCE) is False
 #: what the job prints, every 0.2 s: its step, its uid and two limits it set itself at the start
 LOOP = """
 import os, resource, time
@@ -71,7 +71,7 @@ def steps(log: str) -> list[tuple[int, ...]]:
 
 def job_processes_of(torpor: Torpor, name: str, uid: int) -> list[int]:
     root = torpor.job(name)["pid"]
-    return [pid for pid in system.namespace_members(root) if _uid(pid) == uid]
+    return [pid for pid in procfs.namespace_members(root) if _uid(pid) == uid]
 
 
 def _uid(pid: int) -> int | None:

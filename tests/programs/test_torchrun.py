@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import JOBS, Torpor
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 
 BIN = Path(sys.executable).parent
 STEPS = "200"
@@ -74,17 +74,17 @@ def wait_step(torpor: Torpor, step: int, timeout: float = 60) -> None:
 def test_the_interpreter_of_a_script_is_read_from_its_first_line(tmp_path: Path) -> None:
     script = tmp_path / "torchrun"
     script.write_text("#!/venv/bin/python3.11\nimport sys\n")
-    assert system.script_interpreter(str(script)) == ["/venv/bin/python3.11"]
+    assert procfs.script_interpreter(str(script)) == ["/venv/bin/python3.11"]
     script.write_text("#! /usr/bin/env python3\n")
-    assert system.script_interpreter(str(script)) == ["/usr/bin/env", "python3"]
+    assert procfs.script_interpreter(str(script)) == ["/usr/bin/env", "python3"]
     # pip's form for an interpreter path too long for #!
     script.write_text(
         "#!/bin/sh\n'''exec' \"/a/very/long/venv/bin/python\" \"$0\" \"$@\"\n' '''\nimport sys\n"
     )
-    assert system.script_interpreter(str(script)) == ["/a/very/long/venv/bin/python"]
+    assert procfs.script_interpreter(str(script)) == ["/a/very/long/venv/bin/python"]
     script.write_text("import sys\n")
-    assert system.script_interpreter(str(script)) is None
-    assert system.script_interpreter(str(tmp_path / "missing")) is None
+    assert procfs.script_interpreter(str(script)) is None
+    assert procfs.script_interpreter(str(tmp_path / "missing")) is None
 
 
 @pytest.mark.criu

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from torpor.adapters import system
 from torpor.adapters.folder import FolderBackend
+from torpor.adapters.system import disk
 from torpor.core.store.backend import Backend
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
 from torpor.core.store.repository import Repository
@@ -159,7 +159,7 @@ def evict_from_memory(root: Path) -> bool:
             os.fsync(fd)
             for _ in range(100):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                if not system.cached_pages(fd)[0]:
+                if not disk.cached_pages(fd)[0]:
                     break
                 time.sleep(0.01)
             else:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Torpor, python_job
-from torpor.adapters import system
+from torpor.adapters.system import mounts
 from torpor.core.store import remove_hot_tier
 from torpor.core.store.hot import HotTier
 from torpor.settings import Settings
@@ -56,7 +56,7 @@ def test_mounts_once_and_never_over_a_folder_in_use(tmp_path: Path) -> None:
         HotTier(root, own_mount=True).ensure()  # already mounted: nothing stacked on top
         assert (root / "marker").exists()
     finally:
-        system.unmount(root)
+        mounts.unmount(root)
     used = tmp_path / "used"
     used.mkdir(mode=0o700)  # as torpor makes it
     (used / "image").write_text("x")

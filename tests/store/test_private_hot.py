@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.adapters import system
+from torpor.adapters.system import mounts
 from torpor.core.store import TieredStore
 from torpor.core.store.hot import HotTier
 from torpor.errors import UnsafePath
@@ -45,7 +45,7 @@ def test_a_hot_tier_another_user_made_first_is_refused_and_left_untouched(tmp_pa
             tier.records()
         assert list(root.iterdir()) == [] and not os.path.ismount(root)
     finally:
-        system.unmount(root)  # had it been mounted over after all
+        mounts.unmount(root)  # had it been mounted over after all
     found = root.stat()
     assert (found.st_uid, stat.S_IMODE(found.st_mode)) == (NOBODY, 0o777)  # never chmod-ed or chown-ed
 

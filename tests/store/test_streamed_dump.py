@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from conftest import Torpor
-from torpor.adapters import system
 from torpor.adapters.imagestreamer import (
     ASK_NAME,
     CAPTURE_SCRIPT,
@@ -34,6 +33,7 @@ from torpor.adapters.imagestreamer import (
     VERDICT_NAME,
     ImageCapture,
 )
+from torpor.adapters.system import private, procfs
 from torpor.core import checkpoint
 from torpor.errors import CheckpointFailed
 
@@ -263,7 +263,7 @@ def test_stop_without_a_dump_leaves_nothing_behind(folder: Path) -> None:
 def _script(folder: Path, verdict: str | None, action: str, pid: int) -> int:
     """Run CAPTURE_SCRIPT as CRIU would at step ``action``, with ``verdict`` answered (None: none)."""
     folder.mkdir()
-    script = system.install_script(folder / "capture.sh", CAPTURE_SCRIPT)
+    script = private.install_script(folder / "capture.sh", CAPTURE_SCRIPT)
     os.mkfifo(folder / ASK_NAME)
     if verdict is not None:
         (folder / VERDICT_NAME).write_text(verdict + "\n")
@@ -319,7 +319,7 @@ def _dump_streamed(torpor: Torpor, pid: int, tmp_path: Path, *, leave_running: b
 def test_a_job_dumped_by_streaming_comes_back_with_exactly_its_memory(torpor: Torpor) -> None:
     """A checkpoint's pages go over memory set aside for them, a hibernation's over its older copy's."""
     pid, digest = _job(torpor, "exact", 64)
-    reserve = checkpoint.reservations(system.memory_use(system.namespace_members(pid)))
+    reserve = checkpoint.reservations(procfs.memory_use(procfs.namespace_members(pid)))
     assert sum(reserve.values()) >= 64 * MiB  # its pages, set aside by its PID in its own namespace
     hot = Path(torpor.env["TORPOR_HOT_DIR"])
     torpor.run("checkpoint", "exact", "--wait")
@@ -359,14 +359,14 @@ def test_the_job_stays_frozen_until_the_capture_answers(
 
     def slow_answer(self: ImageCapture) -> None:
         time.sleep(1.5)
-        seen.append(system.process_state(pid) or "?")  # CRIU waits at post-dump: the job is still frozen
+        seen.append(procfs.process_state(pid) or "?")  # CRIU waits at post-dump: the job is still frozen
         answer(self)
 
     monkeypatch.setattr(ImageCapture, "_answer", slow_answer)
     stats = _dump_streamed(torpor, pid, tmp_path, leave_running=True)
     assert seen == ["t"]  # stopped by CRIU (ptrace) while the capture took its time
     assert stats.frozen_s >= 1.5
-    assert system.process_state(pid) in ("S", "R")
+    assert procfs.process_state(pid) in ("S", "R")
 
 
 @pytest.mark.criu
@@ -388,7 +388,7 @@ def test_a_failed_capture_fails_the_dump_and_the_job_runs_on(
         # even a hibernation: the job is not killed for an image torpor lost
         _dump_streamed(torpor, pid, tmp_path, leave_running=False)
     assert any("No space left on device" in line for line in failed.value.details), failed.value.details
-    assert system.is_alive(pid) and system.process_state(pid) != "T"
+    assert procfs.is_alive(pid) and procfs.process_state(pid) != "T"
     lines = len(digests(torpor.log("runs")))
     torpor.wait_for(lambda: len(digests(torpor.log("runs"))) > lines, what="the job to go on")
     assert set(digests(torpor.log("runs"))) == {digest}

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 from torpor.errors import EnvironmentProblem, UsageError
 
 #: the folder, in the memory cgroup of the process that calls, that holds one child per job
@@ -448,7 +448,7 @@ class JobCgroup:
         self.make_room(margin)
         deadline = time.monotonic() + timeout
         while True:
-            states = [system.process_state(pid) for pid in stopped]
+            states = [procfs.process_state(pid) for pid in stopped]
             if all(state in (None, "T", "t", "Z", "X") for state in states):
                 return True
             if time.monotonic() >= deadline:

@@ -20,8 +20,8 @@ import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from torpor.adapters import system
 from torpor.adapters.objectstore import check_name
+from torpor.adapters.system import disk, private
 from torpor.errors import ObjectNotFound, StorageFull, StoreError
 
 #: a direct writer's staging buffer: bytes gathered before one write that bypasses the page cache
@@ -60,7 +60,7 @@ class FolderBackend:
 
     def create(self) -> None:
         try:
-            system.make_private_dirs(self.root)  # its folders 0700, its objects 0600: private
+            private.make_private_dirs(self.root)  # its folders 0700, its objects 0600: private
         except OSError as exc:
             raise _error(exc, f"cannot create the store folder {self.root}") from exc
 
@@ -129,7 +129,7 @@ class FolderBackend:
         except (OSError, ValueError):  # missing, or a bad name
             return 0.0
         try:
-            cached, pages = system.cached_pages(fd, offset, length)
+            cached, pages = disk.cached_pages(fd, offset, length)
             return cached / pages if pages else 0.0
         except OSError:
             return 0.0
@@ -163,7 +163,7 @@ class FolderBackend:
         if not dirty and not unsynced:
             return
         try:
-            system.syncfs(self.root)
+            disk.syncfs(self.root)
             return
         except OSError:
             pass  # e.g. a file system without syncfs: one fsync per object, then per folder
@@ -223,7 +223,7 @@ class _FileWriter:
             try:
                 self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileNotFoundError:
-                system.make_private_dirs(self._path.parent)
+                private.make_private_dirs(self._path.parent)
                 root = backend.root
                 with backend._lock:  # the new folders' entries must reach the disk too
                     backend._dirty.update(p for p in self._path.parents if p == root or root in p.parents)
@@ -241,7 +241,7 @@ class _FileWriter:
                     written = os.write(self._fd, view)
                     view = view[written:]
                     self._size += written
-            system.start_writeback(self._fd, began, self._size - began)
+            disk.start_writeback(self._fd, began, self._size - began)
         except OSError as exc:
             raise self._failed(exc) from exc
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 from torpor.errors import CheckpointFailed
 
 NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
@@ -33,7 +33,7 @@ class NoGpuStage:
     """CPU-only jobs: nothing to do; a job holding an NVIDIA device is refused."""
 
     def before_dump(self, pids: list[int]) -> None:
-        if system.uses_device(pids, NVIDIA_DEVICE_PREFIX):
+        if procfs.uses_device(pids, NVIDIA_DEVICE_PREFIX):
             raise CheckpointFailed(
                 "this job uses an NVIDIA GPU; GPU checkpointing is not supported yet (CPU jobs only)"
             )

@@ -53,8 +53,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from torpor.adapters import system
 from torpor.adapters.criuimage import fields
+from torpor.adapters.system import disk, private
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class ImageCapture(_Session):
             if pid not in self._reserves:
                 self._reserve(pid, size)
         os.mkfifo(self.ask, 0o600)
-        self._ask_fd = system.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
+        self._ask_fd = private.open_private(self.ask, os.O_RDONLY | os.O_NONBLOCK)
         self._listen("image-capture", self._take_files)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -321,12 +321,12 @@ class ImageCapture(_Session):
     def _reserve(self, pid: int, size: int) -> None:
         path = self.folder / f"{RESERVE_PREFIX}{pid}"
         try:
-            fd = system.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            fd = private.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except OSError as exc:
             log.debug("no reservation for process %d: %s", pid, exc)
             return
         try:
-            system.fill_with_zeros(fd, size)
+            disk.fill_with_zeros(fd, size)
         except OSError as exc:  # no room: its pages take memory as they come
             log.debug("no reservation of %d bytes for process %d: %s", size, pid, exc)
             path.unlink(missing_ok=True)
@@ -386,7 +386,7 @@ class ImageCapture(_Session):
         """Read file ``name`` from ``pipe`` to its end: into ``reserve``, then cut and named, if given."""
         path = self.folder / name
         try:
-            out = system.open_private(
+            out = private.open_private(
                 reserve.path if reserve else path, os.O_WRONLY | os.O_CREAT | (0 if reserve else os.O_TRUNC)
             )
             try:
@@ -423,7 +423,7 @@ class ImageCapture(_Session):
                 verdict = "complete"
             self._verdict = verdict
         tmp = self.verdict.with_name(f"{self.verdict.name}.tmp")
-        system.write_private(tmp, (verdict + "\n").encode())
+        private.write_private(tmp, (verdict + "\n").encode())
         os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
 
 
@@ -440,7 +440,7 @@ class _SetAside:
         """Map the file ``path`` with its pages in place (or leave it unmapped, to be written with
         ``splice``: a file of 0 bytes, or no room for the mapping)."""
         try:
-            fd = system.open_private(path, os.O_RDWR)
+            fd = private.open_private(path, os.O_RDWR)
             try:
                 size = os.fstat(fd).st_size
                 memory = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE) if size else None

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 
 PAGE_SIZE = mmap.PAGESIZE
 _PFN_MASK = (1 << 55) - 1
@@ -70,7 +70,7 @@ def stopped(pid: int) -> bool:
     except OSError:
         return False
     # a thread's /proc/TID holds its own state, as a process's does
-    return bool(tasks) and all(system.process_state(int(tid)) in ("t", "T") for tid in tasks)
+    return bool(tasks) and all(procfs.process_state(int(tid)) in ("t", "T") for tid in tasks)
 
 
 def zero_page_frame() -> int | None:

@@ -35,7 +35,7 @@ not from the client's own address: a remote client of a job listening on 0.0.0.0
 the job's logs and address-based rules see the machine's address for the connections held while it slept.
 
 What it leaves to others: when to hold a port and resuming the job (the agent, through the callback), and
-finding the addresses a job listened on (:func:`torpor.adapters.system.listening_sockets`); whether a
+finding the addresses a job listened on (:func:`torpor.adapters.system.sockets.listening_sockets`); whether a
 wake-on port is free when the policy is set is :func:`check_port`'s.
 """
 
@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from torpor.adapters.system import Listener, TcpAddress, is_listening, port_listeners
+from torpor.adapters.system.sockets import Listener, TcpAddress, is_listening, port_listeners
 from torpor.errors import UsageError
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,15 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.apps import machine, slurm
 from torpor.apps.agent import commands as agent_commands
+from torpor.apps.agent import scheduler_commands
 from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import SCHEDULER_CAUSES, scheduling_fields, status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import SUPERVISED_STATES, Checkpoint, JobState
+from torpor.core.recordtypes import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
 from torpor.policy import torchrun
 from torpor.settings import Settings
@@ -296,7 +297,7 @@ def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def cmd_rm(engine: Engine, args: argparse.Namespace) -> int:
-    removed = agent_commands.remove_or_cancel(engine, args.name, args.force)
+    removed = scheduler_commands.remove_or_cancel(engine, args.name, args.force)
     if args.json:
         emit_json({"job": args.name, "removed_checkpoints": removed or [], "cancelled": removed is None})
     elif removed is None:
@@ -425,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     machine.add_parsers(sub, add)
     agent_commands.add_parsers(sub, add)
-    agent_commands.add_scheduling_parsers(sub, add)
+    scheduler_commands.add_scheduling_parsers(sub, add)
     slurm.add_parser(sub)
     return parser
 
@@ -434,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # everything torpor and CRIU create is private (images hold a job's memory); jobs keep the caller's
-    caller_umask = os.umask(system.PRIVATE_UMASK)
+    caller_umask = os.umask(private.PRIVATE_UMASK)
     try:
         settings = replace(Settings.from_environment(home=args.home, criu=args.criu), job_umask=caller_umask)
         if args.command_name == "doctor":

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.adapters import system
+from torpor.adapters.system import private, procfs
 from torpor.core.engine import Engine
-from torpor.core.records import JobState
+from torpor.core.recordtypes import JobState
 from torpor.core.store import remove_hot_tier
 from torpor.errors import DemoFailed, EnvironmentProblem, TorporError
 from torpor.settings import Settings
@@ -197,12 +197,12 @@ class Demo:
         status = self.engine.status(self.name)
         pid = status.job.pid
         assert pid is not None
-        members = system.namespace_members(pid)
+        members = procfs.namespace_members(pid)
         rss = status.rss_bytes or 0
         self.note(f"before: {len(members)} process(es) (pids {members}), {mib(rss)} resident")
         hibernation = self.engine.checkpoint(self.name, hibernate=True)
         frozen_at = self.last_step()
-        alive = [p for p in members if system.is_alive(p)]
+        alive = [p for p in members if procfs.is_alive(p)]
         self.note(
             f"after: hibernated at step {frozen_at} as {hibernation.id} ({mib(hibernation.size_bytes)}); "
             f"processes alive: {len(alive)} -> {mib(rss)} of memory freed"
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return EnvironmentProblem.exit_code
     own_home = not os.environ.get("TORPOR_HOME")
     home = Path(tempfile.mkdtemp(prefix="torpor-demo-")) if own_home else None
-    caller_umask = os.umask(system.PRIVATE_UMASK)  # as the CLI: torpor's files private, the job's not
+    caller_umask = os.umask(private.PRIVATE_UMASK)  # as the CLI: torpor's files private, the job's not
     settings = dataclasses.replace(
         Settings.from_environment(home=str(home) if home else None), job_umask=caller_umask
     )

@@ -54,7 +54,7 @@ from typing import IO, Any, TextIO
 from torpor.adapters import slurm
 from torpor.apps.agent.commands import seconds
 from torpor.core.engine import Engine
-from torpor.core.records import Checkpoint, Job, JobState
+from torpor.core.recordtypes import Checkpoint, Job, JobState
 from torpor.errors import TorporError, UsageError
 from torpor.policy import slurm as policy
 from torpor.policy.slurm import After

@@ -29,14 +29,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from torpor.adapters import system
-from torpor.adapters.criu import Criu, StreamedDump, log_excerpt
+from torpor.adapters.criu import Criu, StreamedDump
 from torpor.adapters.criuimage import DumpStats
+from torpor.adapters.criulog import log_excerpt
 from torpor.adapters.imagestreamer import ImageCapture
+from torpor.adapters.system import ownprocess, procfs, sockets
 from torpor.core import rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
-from torpor.core.records import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
 from torpor.errors import CheckpointFailed, JobExited, StorageFull, TorporError
 from torpor.policy import retention, retry
 
@@ -82,12 +83,12 @@ def checkpoint_in_launcher(
     parent = records.latest_checkpoint(name)
     checkpoint_id = CheckpointId(uuid.uuid4().hex[:12])
     started = time.monotonic()
-    pids = system.namespace_members(pid)
+    pids = procfs.namespace_members(pid)
     staging: Path | None = None
     committed = False
     try:
         refuse_io_uring(pids)
-        memory = system.memory_use(pids)
+        memory = procfs.memory_use(pids)
         rss = sum(use.proportional for use in memory)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
         ctx.gpu.before_dump(pids)
@@ -107,10 +108,10 @@ def checkpoint_in_launcher(
                 ctx.criu_log(name, "dump", checkpoint_id),
                 leave_running=not hibernate,
                 extra=ctx.settings.criu_extra,
-                external_unix=system.unix_socket_inodes(pids) if ext_unix_sk else (),
+                external_unix=sockets.unix_socket_inodes(pids) if ext_unix_sk else (),
                 # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
                 # fails the dump, which is tried again with it (policy.retry)
-                tcp=system.has_tcp_sockets(pids),
+                tcp=sockets.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
                 reserve=reservations(memory) if in_ram and not hibernate else None,
@@ -166,8 +167,8 @@ def checkpoint_in_launcher(
     except TorporError as exc:
         if staging is not None and not committed:
             ctx.store.discard(staging)
-        woken = system.resume_stopped(system.namespace_members(launcher.pid or pid))
-        alive = launcher.pid is not None and system.is_alive(launcher.pid)
+        woken = procfs.resume_stopped(procfs.namespace_members(launcher.pid or pid))
+        alive = launcher.pid is not None and procfs.is_alive(launcher.pid)
         if alive:
             records.transition(name, {JobState.CHECKPOINTING, JobState.HIBERNATING}, JobState.RUNNING)
             if woken:
@@ -186,12 +187,12 @@ def checkpoint_in_launcher(
     return CheckpointReply(checkpoint, not_durable)
 
 
-def reservations(memory: list[system.MemoryUse]) -> dict[int, int]:
+def reservations(memory: list[procfs.MemoryUse]) -> dict[int, int]:
     """The memory to set aside for each process's pages before a streamed dump: its anonymous memory,
     by its PID in the job's namespace (as CRIU names its images)."""
     found = {}
     for use in memory:
-        inner = system.namespace_pid(use.pid)
+        inner = procfs.namespace_pid(use.pid)
         if inner is not None:
             found[inner] = use.anonymous
     return found
@@ -199,15 +200,15 @@ def reservations(memory: list[system.MemoryUse]) -> dict[int, int]:
 
 def refuse_io_uring(pids: list[int]) -> None:
     """Refuse a job that holds an io_uring instance: CRIU cannot dump one, and would fail mid-dump."""
-    users = system.io_uring_users(pids)
+    users = procfs.io_uring_users(pids)
     if not users:
         return
     others = f" and {len(users) - 1} other process(es)" if len(users) > 1 else ""
     raise CheckpointFailed(
-        f"process {users[0]} ({system.command_line(users[0], 80)}){others} uses io_uring, which CRIU cannot "
+        f"process {users[0]} ({procfs.command_line(users[0], 80)}){others} uses io_uring, which CRIU cannot "
         "checkpoint; PyTorch's TCPStore does through libuv: create it with use_libuv=False, or set "
         "USE_LIBUV=0 for init_process_group ('torpor run -- torchrun …' does both itself)",
-        details=[f"io_uring in process {pid}: {system.command_line(pid)}" for pid in users],
+        details=[f"io_uring in process {pid}: {procfs.command_line(pid)}" for pid in users],
     )
 
 
@@ -229,7 +230,7 @@ def dump(
     A dump that met a process of the tree in the middle of exiting (e.g. a DataLoader worker at the end
     of an epoch), or another dump in the job's working directory, is tried again, a few times, from an
     empty folder. ``hold_cpu_wakeups``: keep the CPUs quick to wake while CRIU runs
-    (:func:`torpor.adapters.system.cpu_wakeups_held`: a shorter freeze).
+    (:func:`torpor.adapters.system.ownprocess.cpu_wakeups_held`: a shorter freeze).
 
     ``capture_script`` (:data:`~torpor.adapters.imagestreamer.CAPTURE_SCRIPT`, installed): CRIU streams
     the image to torpor, which writes it into ``images_dir``
@@ -240,7 +241,7 @@ def dump(
     attempt = 1
     while True:
         try:
-            with system.cpu_wakeups_held(hold_cpu_wakeups):
+            with ownprocess.cpu_wakeups_held(hold_cpu_wakeups):
                 if capture_script is None:
                     return criu.dump(pid, images_dir, log_path, tcp=tcp, **options)
                 return _dump_streamed(

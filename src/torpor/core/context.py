@@ -14,10 +14,12 @@ from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
-from torpor.adapters import gpu, system
+from torpor.adapters import gpu
 from torpor.adapters.criu import Criu, RestoreGate
 from torpor.adapters.imagestreamer import CAPTURE_SCRIPT
-from torpor.core.records import CheckpointId, JobName, Records
+from torpor.adapters.system import private
+from torpor.core.records import Records
+from torpor.core.recordtypes import CheckpointId, JobName
 from torpor.core.store import ImageStore, open_store
 from torpor.core.store import config as store_config
 from torpor.errors import EnvironmentProblem, UnsafePath
@@ -68,11 +70,11 @@ class Context:
 
     def capture_script(self) -> Path:
         """The action script of a streamed dump (:data:`~torpor.adapters.imagestreamer.CAPTURE_SCRIPT`)."""
-        return system.install_script(self.settings.run_dir / "dump-capture.sh", CAPTURE_SCRIPT)
+        return private.install_script(self.settings.run_dir / "dump-capture.sh", CAPTURE_SCRIPT)
 
     def criu_log(self, job: JobName, action: str, checkpoint_id: CheckpointId) -> Path:
         folder = self.settings.job_dir(job) / "criu"
-        system.make_private_dirs(folder)
+        private.make_private_dirs(folder)
         return folder / f"{action}-{checkpoint_id}.log"
 
 
@@ -87,7 +89,7 @@ def make_state_private(settings: Settings) -> None:
     The home itself is tightened only when it holds torpor's database: a home the user made for more
     than torpor (or /tmp) is theirs to set.
     """
-    problem = system.replaceable_by_others(settings.home)
+    problem = private.replaceable_by_others(settings.home)
     if problem is not None:
         raise UnsafePath(
             f"the state directory {settings.home} is not safe: {problem}; set TORPOR_HOME to a folder "
@@ -95,7 +97,7 @@ def make_state_private(settings: Settings) -> None:
         )
     for folder in (settings.home, settings.jobs_dir, settings.run_dir, settings.tmp_dir):
         try:
-            system.make_private_dirs(folder)
+            private.make_private_dirs(folder)
         except OSError as exc:
             raise EnvironmentProblem(
                 f"cannot create {folder} ({exc.strerror}); make it writable or set TORPOR_HOME"

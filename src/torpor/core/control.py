@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torpor.core.records import Checkpoint, CheckpointKind
+from torpor.core.recordtypes import Checkpoint, CheckpointKind
 from torpor.errors import LauncherUnreachable, TorporError, UsageError, from_dict
 
 Progress = Callable[[str], None]

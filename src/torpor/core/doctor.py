@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import gpu, system
+from torpor.adapters import gpu
 from torpor.adapters.criu import Criu
+from torpor.adapters.system import disk, machine
 from torpor.core.store import leftovers
 from torpor.errors import TorporError
 from torpor.settings import Settings
@@ -40,7 +41,7 @@ def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     """What works here; ``store`` is the store configuration's report, taken into the result as is."""
     result: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
     criu = result["criu"] = _criu(settings)
-    result["kernel"] = asdict(system.kernel_features())
+    result["kernel"] = asdict(machine.kernel_features())
     result["gpu_driver"] = gpu.driver_version()
     result["gpu_checkpoint"] = GPU_CHECKPOINT
     home_ok = (
@@ -50,7 +51,7 @@ def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     )
     result["home_writable"] = home_ok
     if settings.home.exists():
-        result["home_free_bytes"] = system.disk_free(settings.home)
+        result["home_free_bytes"] = disk.disk_free(settings.home)
     result["store"] = store
     result["other_users"] = _other_users(settings, bool(criu.get("check_ok")))
     # not a condition of ``ok``: a leftover holds RAM, it does not stop a checkpoint
@@ -67,7 +68,7 @@ def _other_users(settings: Settings, criu_ok: bool) -> dict[str, Any]:
     torpor's rlimit shim for criu (scripts/criu-rlimits.c) makes up for it. Not a condition of ``ok``:
     jobs of root's own still work.
     """
-    cap = system.has_capability(system.CAP_SYS_RESOURCE)
+    cap = machine.has_capability(machine.CAP_SYS_RESOURCE)
     shim = Criu(settings.criu).rlimit_shim() if settings.criu else None
     result: dict[str, Any] = {
         "cap_sys_resource": cap,

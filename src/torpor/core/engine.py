@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import gpu, netlock, system
+from torpor.adapters import gpu, netlock
+from torpor.adapters.system import private, procfs
 from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
@@ -28,7 +29,7 @@ from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLaunche
 from torpor.core.launcher.release import release_gated, release_streamed
 from torpor.core.launcher.spawn import start_launcher
 from torpor.core.naming import check_name, free_name, name_from_command
-from torpor.core.records import (
+from torpor.core.recordtypes import (
     LIVE_STATES,
     RESTORABLE_STATES,
     SUPERVISED_STATES,
@@ -40,6 +41,7 @@ from torpor.core.records import (
 )
 from torpor.core.restore import LAZY_KILL, prepare_world
 from torpor.core.rewind import Rewound
+from torpor.core.starting import PreparedRun
 from torpor.core.store import (
     DURABLE,
     Check,
@@ -79,7 +81,7 @@ class Engine:
     """The operations a user asks for, on one state directory; the CLI, Slurm and the demo drive it.
 
     Names come as the user typed them (``str``) and are looked up in the records first; from there on
-    they are the record's :data:`~torpor.core.records.JobName`.
+    they are the record's :data:`~torpor.core.recordtypes.JobName`.
     """
 
     def __init__(
@@ -116,8 +118,8 @@ class Engine:
         cgroup: Path | None = None,
     ) -> PreparedRun:
         """Check a start and have its launcher start up (a new interpreter, ~0.3 s), waiting for
-        :meth:`PreparedRun.go`: the scheduler prepares the job a victim makes room for while the victim
-        is being hibernated. The job's record is made only at ``go``."""
+        :meth:`~torpor.core.starting.PreparedRun.go`: the scheduler prepares the job a victim makes room
+        for while the victim is being hibernated. The job's record is made only at ``go``."""
         if not command:
             raise UsageError("no command given: torpor run [--name NAME] -- COMMAND [ARGS...]")
         self.refuse_if_draining("start a job")
@@ -129,9 +131,9 @@ class Engine:
             name = free_name(name_from_command(command), {job.name for job in self.records.jobs()})
         job_name = check_name(name)
         job_dir = self.settings.job_dir(job_name)
-        system.make_private_dirs(job_dir)
+        private.make_private_dirs(job_dir)
         # torchrun's store would hold an io_uring, which CRIU cannot dump: start it without (policy.torchrun)
-        interpreter = system.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
+        interpreter = procfs.script_interpreter(program) if torchrun.is_torchrun_script(command) else None
         command = torchrun.without_libuv(command, interpreter) or command
         spec = LaunchSpec(
             self.settings.to_dict(),
@@ -141,7 +143,14 @@ class Engine:
             umask,
             None if cgroup is None else str(cgroup),
         )
-        return PreparedRun(self, job_name, command, cwd, start_launcher(spec, job_dir / "launcher.log"))
+        return PreparedRun(
+            self.records,
+            self.settings,
+            job_name,
+            command,
+            cwd,
+            start_launcher(spec, job_dir / "launcher.log"),
+        )
 
     def refuse_if_draining(self, what: str) -> None:
         """A draining node (``torpor drain``, a notice, the agent's shutdown) takes no new work."""
@@ -165,7 +174,7 @@ class Engine:
         Its processes may still run, unsupervised (the launcher was killed, not the job): the record
         keeps their pid, so that ``stop``, ``resume --force`` and ``rm --force`` can end them.
         """
-        if job.state in SUPERVISED_STATES and job.launcher_pid and not system.is_alive(job.launcher_pid):
+        if job.state in SUPERVISED_STATES and job.launcher_pid and not procfs.is_alive(job.launcher_pid):
             if _tree_alive(job):
                 message = (
                     f"its launcher died; its processes still run unsupervised (pid {job.pid}): "
@@ -183,7 +192,7 @@ class Engine:
         job = self.reconcile(self.records.job(name))
         rss = None
         if job.pid and (job.state in LIVE_STATES or unsupervised(job)):
-            rss = system.resident_bytes(system.namespace_members(job.pid))
+            rss = procfs.resident_bytes(procfs.namespace_members(job.pid))
         return JobStatus(job, rss, self.records.latest_checkpoint(job.name))
 
     def statuses(self) -> list[JobStatus]:
@@ -377,7 +386,7 @@ class Engine:
         rewound: Rewound | None = None
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
-            if previous.pid and not system.wait_gone(
+            if previous.pid and not procfs.wait_gone(
                 previous.pid, previous.pid_ticks, self.settings.pid_wait_s
             ):
                 raise RestoreFailed(
@@ -450,7 +459,7 @@ class Engine:
             # stopped, and it goes on now, whoever restored it
             restored = self.records.job(job.name)
             if restored.pid:
-                for pid in system.namespace_members(restored.pid):
+                for pid in procfs.namespace_members(restored.pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
             self.records.mark_stopped_dump(job.name, None)
@@ -504,7 +513,7 @@ class Engine:
                 os.kill(job.pid, step.signal)
             except ProcessLookupError:
                 break
-            if system.wait_gone(job.pid, job.pid_ticks, step.wait_s):
+            if procfs.wait_gone(job.pid, job.pid_ticks, step.wait_s):
                 break
         if orphaned:  # no launcher to record it
             self.records.set_fields(
@@ -536,7 +545,7 @@ class Engine:
             launcher = job.launcher_pid
             self.stop(job.name, grace_s=0)
             if launcher and launcher != os.getpid():  # let it finish with the record before it goes
-                system.wait_gone(launcher, None, 10)
+                procfs.wait_gone(launcher, None, 10)
         hibernation = self.records.latest_checkpoint(job.name)
         if job.state == JobState.HIBERNATED and hibernation is not None:
             self._release_network_lock(job.name, hibernation.id, quiet)
@@ -553,50 +562,13 @@ class Engine:
         return Path(self.records.job(name).log_path)
 
 
-@dataclass
-class PreparedRun:
-    """A job's start checked and its launcher up, waiting: :meth:`go` starts it, :meth:`cancel` calls it off."""
-
-    engine: Engine
-    name: JobName
-    command: list[str]
-    cwd: str
-    launcher: PendingLauncher
-
-    def go(self) -> Job:
-        """Make the job's record and let its launcher start it; the job as it runs (or the start's error)."""
-        records = self.engine.records
-        try:
-            records.create_job(
-                self.name, self.command, self.cwd, str(self.engine.settings.job_dir(self.name) / "output.log")
-            )
-        except BaseException:
-            self.launcher.abort()
-            raise
-        try:
-            self.launcher.release()
-        except TorporError:
-            if records.job(self.name).state == JobState.STARTING:
-                records.transition(self.name, {JobState.STARTING}, JobState.FAILED, ended_at=time.time())
-            raise
-        return records.job(self.name)
-
-    def cancel(self) -> None:
-        """The launcher exits without starting anything; the job's folder goes unless a job has it."""
-        self.launcher.abort()
-        try:
-            self.engine.records.job(self.name)
-        except JobNotFound:
-            shutil.rmtree(self.engine.settings.job_dir(self.name), ignore_errors=True)
-
-
 def _tree_alive(job: Job) -> bool:
     """Whether the process on record as the job's root is still that process, and alive."""
     return (
         job.pid is not None
         and job.pid_ticks is not None
-        and system.is_alive(job.pid)
-        and system.start_ticks(job.pid) == job.pid_ticks
+        and procfs.is_alive(job.pid)
+        and procfs.start_ticks(job.pid) == job.pid_ticks
     )
 
 

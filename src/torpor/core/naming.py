@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
-from torpor.core.records import JobName
+from torpor.core.recordtypes import JobName
 from torpor.errors import UsageError
 
 #: programs that run a script: the job is named after the script, not the interpreter

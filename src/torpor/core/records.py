@@ -2,7 +2,8 @@
 
 Several processes write here at once (CLI calls, one launcher per job), so every connection uses WAL and
 a busy timeout, and every state change is one short ``BEGIN IMMEDIATE`` transaction whose ``WHERE``
-clause checks the state it expects — two ``resume`` calls racing cannot both win.
+clause checks the state it expects — two ``resume`` calls racing cannot both win. What the rows are
+read into and written from (jobs, checkpoints, submissions…) is :mod:`torpor.core.recordtypes`.
 """
 
 from __future__ import annotations
@@ -13,83 +14,26 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
-from typing import NewType
 
-from torpor.adapters import system
+from torpor.adapters.system import private
+from torpor.core.recordtypes import (
+    SUBMISSION_MARKS,
+    Care,
+    Checkpoint,
+    CheckpointId,
+    CheckpointKind,
+    Event,
+    Job,
+    JobName,
+    JobState,
+    Quota,
+    Submission,
+)
 from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
 from torpor.policy.jobpolicy import JobPolicy
 
-JobName = NewType("JobName", str)
-CheckpointId = NewType("CheckpointId", str)
-
 SCHEMA_VERSION = 1
-
-
-class JobState(StrEnum):
-    """Where a job is in its life; every change is a :meth:`Records.transition` from the expected one."""
-
-    STARTING = "starting"
-    RUNNING = "running"
-    CHECKPOINTING = "checkpointing"
-    HIBERNATING = "hibernating"
-    HIBERNATED = "hibernated"
-    RESTORING = "restoring"
-    EXITED = "exited"
-    FAILED = "failed"
-
-
-class CheckpointKind(StrEnum):
-    """Why a checkpoint was taken: the job ran on (``checkpoint``) or was stopped by it (``hibernate``)."""
-
-    CHECKPOINT = "checkpoint"
-    HIBERNATE = "hibernate"
-
-
-#: states in which the job has live processes (or is about to)
-LIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CHECKPOINTING, JobState.HIBERNATING})
-#: states in which a launcher works on the job: it has live processes, or is being restored
-SUPERVISED_STATES = LIVE_STATES | {JobState.RESTORING}
-#: states from which a job can be restored
-RESTORABLE_STATES = frozenset({JobState.HIBERNATED, JobState.EXITED, JobState.FAILED})
-
-
-@dataclass(frozen=True)
-class Job:
-    """A job's record: what it runs, where it is in its life, and its processes while it has any."""
-
-    name: JobName
-    command: list[str]
-    cwd: str
-    state: JobState
-    pid: int | None
-    pid_ticks: int | None
-    launcher_pid: int | None
-    log_path: str
-    created_at: float
-    started_at: float | None
-    ended_at: float | None
-    exit_code: int | None
-    message: str | None
-    restored_from: CheckpointId | None
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint's record: its job, kind, timings and size (its image is the store's)."""
-
-    id: CheckpointId
-    job: JobName
-    kind: CheckpointKind
-    created_at: float
-    freeze_s: float
-    total_s: float
-    size_bytes: int
-    criu_version: str
-    parent: CheckpointId | None
-
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -166,103 +110,15 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
-@dataclass(frozen=True)
-class Care:
-    """What the agent keeps for a job: its policy, and why and where from it hibernated the job."""
-
-    policy: JobPolicy
-    #: ``idle``, ``evacuation``, ``shutdown``: the agent hibernated the job for that reason (None: it did not)
-    hibernated_by: str | None = None
-    #: the TCP addresses the job listened on when it was hibernated, ``[host, port]`` each
-    listened: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A job given to the scheduler with ``torpor submit``: what it asked for, and the scheduler's marks.
-
-    It exists before the job does (while it is queued: no jobs row yet) and goes with the job (``rm``).
-    """
-
-    name: JobName
-    command: list[str]
-    cwd: str
-    #: the submitter's environment and umask: the agent starts the job in them, not in its own
-    env: dict[str, str]
-    umask: int
-    #: bytes it asked for (``--memory``): what admission and quotas count
-    memory: int
-    cpus: float
-    priority: int
-    project: str
-    submitted_at: float
-    #: when the agent first started it (None: still queued)
-    started_at: float | None = None
-    #: seconds it waited before its current wait (its aging credit: policy.scheduler.Job.waited_s)
-    waited_s: float = 0.0
-    #: the job this one was hibernated to make room for, until that one starts
-    room_for: str | None = None
-    #: when the scheduler hibernated it, and its memory then (what it will need back)
-    hibernated_at: float | None = None
-    usage_at_hibernation: int | None = None
-    #: what its cgroup held then (page cache and kernel memory included): a restore needs that much room
-    cgroup_usage_at_hibernation: int | None = None
-    #: the memory limit of its cgroup, in bytes (None: none set)
-    mem_limit: int | None = None
-    #: the scheduler's last word on it: why it waits, or why it was hibernated
-    why: str | None = None
-
-    @property
-    def queued(self) -> bool:
-        return self.started_at is None
-
-
-#: the fields of a submission the scheduler changes as it goes (:meth:`Records.update_submission`)
-SUBMISSION_MARKS = frozenset(
-    {
-        "started_at",
-        "waited_s",
-        "room_for",
-        "hibernated_at",
-        "usage_at_hibernation",
-        "cgroup_usage_at_hibernation",
-        "mem_limit",
-        "why",
-    }
-)
-
-
-@dataclass(frozen=True)
-class Quota:
-    """A project's guaranteed share of the node's memory budget, and how much more it may borrow (None: any)."""
-
-    project: str
-    share: int
-    borrow_limit: int | None = None
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something torpor did by itself (or was asked to, through the agent): what, to whom, why, at what cost."""
-
-    id: int
-    at: float
-    job: JobName | None
-    action: str
-    reason: str
-    #: the cost and outcome: freeze_s, size_bytes, total_s, freed_bytes, durable_s, error…
-    detail: dict[str, object]
-
-
 class Records:
     """Access to ``torpor.db``; cheap to create, one short connection per operation."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            system.make_private_dirs(path.parent)
+            private.make_private_dirs(path.parent)
             # made 0600 before SQLite opens it: its -wal and -shm files take the database's mode
-            os.close(system.open_private(path, os.O_RDWR | os.O_CREAT))
+            os.close(private.open_private(path, os.O_RDWR | os.O_CREAT))
             db = self._connect()
             try:
                 db.executescript(_SCHEMA)

@@ -19,12 +19,12 @@ import signal
 import threading
 from pathlib import Path
 
-from torpor.adapters import system
 from torpor.adapters.criu import RestoreGate
 from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
+from torpor.adapters.system import ownprocess, procfs
 from torpor.core.context import Context, Progress, quiet
-from torpor.core.records import CheckpointId, Job, JobState
+from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
 from torpor.errors import TorporError
@@ -89,8 +89,8 @@ def restore_into_launcher(
                 ctx.criu.wait_lazy_pages(daemon, image_dir, log)
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
-        # the CPUs kept quick to wake while CRIU restores (system.cpu_wakeups_held)
-        with system.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups):
+        # the CPUs kept quick to wake while CRIU restores (ownprocess.cpu_wakeups_held)
+        with ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups):
             pid = ctx.criu.restore(
                 image_dir,
                 ctx.criu_log(job.name, "restore", checkpoint_id),
@@ -102,7 +102,7 @@ def restore_into_launcher(
             )
         root.append(pid)
         restored.set()
-        ctx.gpu.after_restore(system.namespace_members(pid))
+        ctx.gpu.after_restore(procfs.namespace_members(pid))
     except BaseException:
         restored.set()
         if daemon is not None:

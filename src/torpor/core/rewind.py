@@ -24,9 +24,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torpor.adapters import system
 from torpor.adapters.criuimage import OpenFile, open_files
-from torpor.core.records import CheckpointId
+from torpor.adapters.system import private
+from torpor.core.recordtypes import CheckpointId
 from torpor.errors import FilesChanged, RestoreFailed
 from torpor.policy import rewind as policy
 
@@ -89,7 +89,7 @@ def record_stopped(job_dir: Path, checkpoint_id: CheckpointId, image_dir: Path) 
                 files[str(path)] = {"size": state.size, "mtime_ns": state.mtime_ns, "ino": state.ino}
         data = {"format": _FORMAT, "checkpoint": checkpoint_id, "files": files}
         temp = job_dir / (STOPPED_FILE + ".tmp")
-        system.write_private(temp, json.dumps(data).encode())
+        private.write_private(temp, json.dumps(data).encode())
         os.replace(temp, job_dir / STOPPED_FILE)
     except OSError:
         with contextlib.suppress(OSError):
@@ -149,7 +149,7 @@ class Rewound:
                         f"{done.path} changed again after torpor cut it; its bytes stay in {done.saved}"
                     )
                     continue
-                fd = system.open_private(done.path, os.O_WRONLY | os.O_APPEND | os.O_NOCTTY)
+                fd = private.open_private(done.path, os.O_WRONLY | os.O_APPEND | os.O_NOCTTY)
                 with os.fdopen(fd, "ab") as out, open(done.saved, "rb") as saved:
                     shutil.copyfileobj(saved, out)
                     out.flush()
@@ -251,14 +251,14 @@ def _refusal(refusals: tuple[policy.Refusal, ...]) -> RestoreFailed | FilesChang
 
 def _cut(path: Path, size: int, keep_dir: Path) -> _Done:
     """Save the bytes of ``path`` after ``size`` under ``keep_dir`` (once: named by their hash), then cut."""
-    system.make_private_dirs(keep_dir)
-    fd = system.open_private(path, os.O_RDWR | os.O_NOCTTY)
+    private.make_private_dirs(keep_dir)
+    fd = private.open_private(path, os.O_RDWR | os.O_NOCTTY)
     with open(fd, "r+b") as handle:
         before = os.fstat(handle.fileno())
         temp = keep_dir / f".saving-{os.getpid()}"
         digest = hashlib.sha256()
         handle.seek(size)
-        with os.fdopen(system.open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
+        with os.fdopen(private.open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
                 out.write(chunk)

@@ -28,7 +28,7 @@ from torpor.policy.notices import Notice
 HIBERNATE = "hibernate"  # checkpoint to the durable tier and stop it: its processes would die anyway
 WAIT = "wait"  # already (being) hibernated, its image not durable yet: wait for the durable copy
 
-#: job states (torpor.core.records.JobState) with processes, now or in a moment: hibernate them. A job
+#: job states (torpor.core.recordtypes.JobState) with processes, now or in a moment: hibernate them. A job
 #: that is starting, being checkpointed or restored is hibernated once that is over (the agent waits).
 LIVE_STATES = frozenset({"running", "starting", "checkpointing", "restoring"})
 #: a hibernation already under way: wait for it and its durable copy

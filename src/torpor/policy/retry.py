@@ -18,7 +18,7 @@ PASSING_DUMP_ERRORS: tuple[str, ...] = ("Zombies with threads are not supported"
 #: that namespace for a moment on a folder it creates in the job's working directory, ``proc.crtools``.
 #: A dump of another job of the same working directory, at that same moment, finds the folder there
 #: (EEXIST) and fails: the other one is gone a millisecond later. (A folder that stays, left by a CRIU
-#: killed meanwhile or put there, fails every attempt: :func:`torpor.adapters.criu.dump_failure` says so.)
+#: killed meanwhile or put there, fails every attempt: :func:`torpor.adapters.criulog.dump_failure` says so.)
 BUSY_CWD_ERRORS: tuple[str, ...] = ("Can't create a directory (-17)",)
 #: attempts in all, the first one included
 DUMP_ATTEMPTS = 3

@@ -34,7 +34,7 @@ SIGNALS = (PREEMPT, HOLD, TERM)
 
 
 class Saved(Protocol):
-    """A checkpoint as the restore order sees it (:class:`torpor.core.records.Checkpoint` is one)."""
+    """A checkpoint as the restore order sees it (:class:`torpor.core.recordtypes.Checkpoint` is one)."""
 
     @property
     def id(self) -> str: ...

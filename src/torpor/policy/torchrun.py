@@ -12,7 +12,7 @@ on the same arguments; a user who set ``USE_LIBUV=1`` gets torchrun unchanged. S
 open io_uring (measured), so the workers need nothing else.
 
 Which interpreter runs a ``torchrun`` console script is read from its first line by the core
-(:func:`torpor.adapters.system.script_interpreter`); this module only rewrites the command.
+(:func:`torpor.adapters.system.procfs.script_interpreter`); this module only rewrites the command.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torpor.adapters import system, wake
-from torpor.core.records import Job, JobState, Records
+from torpor.adapters import wake
+from torpor.adapters.system import procfs
+from torpor.core.records import Records
+from torpor.core.recordtypes import Job, JobState
 from torpor.errors import UsageError
 from torpor.policy.jobpolicy import JobPolicy
 
@@ -47,5 +49,5 @@ def _merged(base: JobPolicy, changes: dict[str, Any], whose: str, refusal: str) 
 
 def check_wake_port(job: Job, port: int) -> None:
     """Refuse ``--wake-on PORT`` when another program listens on it: the agent could not hold it."""
-    pids = system.namespace_members(job.pid) if job.pid and job.state == JobState.RUNNING else []
+    pids = procfs.namespace_members(job.pid) if job.pid and job.state == JobState.RUNNING else []
     wake.check_port(port, pids)

@@ -1,8 +1,8 @@
 """A typed client of the agent's API, and the engine the CLI uses when an agent runs.
 
 ``AgentClient`` speaks to the unix socket of a state directory (or a TCP address with a token) and
-returns torpor's own types (:class:`~torpor.core.records.Job`, :class:`~torpor.core.records.Checkpoint`,
-:class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as the error the engine raised there,
+returns torpor's own types (:class:`~torpor.core.recordtypes.Job`,
+:class:`~torpor.core.recordtypes.Checkpoint`, :class:`~torpor.core.engine.JobStatus`…); an error of the agent comes back as the error the engine raised there,
 with the message and exit code the CLI would have had embedded.
 """
 
@@ -19,7 +19,7 @@ from torpor.apps.agent import wire
 from torpor.apps.agent.locate import answers
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine, JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, Event, Job, Quota, Submission
+from torpor.core.recordtypes import Checkpoint, CheckpointId, Event, Job, Quota, Submission
 from torpor.core.store import StoredImage
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy.jobpolicy import JobPolicy

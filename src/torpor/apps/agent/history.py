@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from torpor.adapters import system
-from torpor.core.records import LIVE_STATES, Job, JobState
+from torpor.adapters.system import procfs
+from torpor.core.recordtypes import LIVE_STATES, Job, JobState
 
 #: how far back the charts look, in seconds
 WINDOW_S = 3600.0
@@ -86,5 +86,5 @@ def job_memory(jobs: Iterable[Job]) -> dict[str, int]:
         if job.state == JobState.HIBERNATED:
             memory[job.name] = 0
         elif job.state in LIVE_STATES and job.pid is not None:
-            memory[job.name] = system.resident_bytes(system.namespace_members(job.pid))
+            memory[job.name] = procfs.resident_bytes(procfs.namespace_members(job.pid))
     return memory

@@ -36,7 +36,7 @@ from prometheus_client.core import (
 )
 
 from torpor.core.engine import JobStatus
-from torpor.core.records import Checkpoint, CheckpointId, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, JobState
 from torpor.core.store import DURABLE, StoredImage
 from torpor.errors import TorporError
 

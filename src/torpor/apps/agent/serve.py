@@ -25,7 +25,7 @@ from types import FrameType
 
 import uvicorn
 
-from torpor.adapters import system
+from torpor.adapters.system import machine, private
 from torpor.apps.agent.api import create_app
 from torpor.apps.agent.locate import socket_path
 from torpor.apps.agent.service import BY_SHUTDOWN, Agent, AgentOptions
@@ -79,7 +79,7 @@ def read_token(path: Path) -> str:
 
 def unix_listener(path: Path) -> socket.socket:
     """A listening unix socket at ``path``, 0600 from its creation (bound under umask 077)."""
-    system.make_private_dirs(path.parent)
+    private.make_private_dirs(path.parent)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise UnsafePath(f"{path} exists and is not a socket: remove it if it is not yours")
@@ -146,7 +146,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
         on_signal.seen = True  # type: ignore[attr-defined]
         evacuate = number == signal.SIGTERM and (
             options.on_sigterm == "hibernate"
-            or (options.on_sigterm == "auto" and system.system_stopping() is not False)
+            or (options.on_sigterm == "auto" and machine.system_stopping() is not False)
         )
         log.info(
             "%s: %s", signal.Signals(number).name, "evacuating, then stopping" if evacuate else "stopping"

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import cgroups, system
+from torpor.adapters import cgroups
+from torpor.adapters.system import private, procfs, sockets
 from torpor.apps.agent.history import SAMPLE_EVERY_S, MemoryHistory
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
 from torpor.core.engine import Engine
-from torpor.core.records import Care, Checkpoint, Job, JobName, JobState
+from torpor.core.recordtypes import Care, Checkpoint, Job, JobName, JobState
 from torpor.core.store import DURABLE
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy import evacuation, idle, periodic
@@ -216,9 +217,9 @@ class Agent:
     def _care_for_running(self, job: Job, policy: JobPolicy, now: float) -> None:
         assert job.pid is not None
         if policy.idle_after_s is not None:
-            pids = system.namespace_members(job.pid)
+            pids = procfs.namespace_members(job.pid)
             samples = self._samples.setdefault((job.name, job.pid), [])
-            samples.append(idle.Sample(now, system.cpu_seconds(pids)))
+            samples.append(idle.Sample(now, procfs.cpu_seconds(pids)))
             samples[:] = idle.trim(samples, policy.idle_after_s, now)
             if idle.is_idle(samples, policy.idle_after_s, now):
                 reason = f"idle: no CPU used for {format_duration(policy.idle_after_s)}"
@@ -329,8 +330,8 @@ class Agent:
     def _hibernate_idle(self, name: JobName) -> dict[str, Any]:
         job = self.records.job(name)
         policy = self.records.care(name).policy
-        pids = system.namespace_members(job.pid) if job.pid else []
-        freed = system.resident_bytes(pids)
+        pids = procfs.namespace_members(job.pid) if job.pid else []
+        freed = procfs.resident_bytes(pids)
         listened = wake_addresses(pids, policy.wake_on)
         checkpoint = self.hibernate(name, "idle", listened)
         self._watch_durable(checkpoint)
@@ -537,7 +538,7 @@ def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, 
     """The addresses the job listens on among ``ports``: the agent holds exactly those while it sleeps."""
     if not ports:
         return ()
-    found = [(host, port) for host, port in system.listening_sockets(pids) if port in ports]
+    found = [(host, port) for host, port in sockets.listening_sockets(pids) if port in ports]
     missing = [port for port in ports if port not in {p for _, p in found}]
     # a port the job did not listen on at that moment is held on loopback only: never wider than the job
     return (*found, *(("127.0.0.1", port) for port in missing))
@@ -545,7 +546,7 @@ def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, 
 
 def take_lock(path: Path) -> int:
     """Hold ``path`` locked for as long as the agent runs; a second agent on the same home is refused."""
-    fd = system.open_private(path, os.O_RDWR | os.O_CREAT)
+    fd = private.open_private(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

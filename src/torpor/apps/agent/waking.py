@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from torpor.adapters import wake
-from torpor.core.records import Care, Job, JobName, JobState
+from torpor.core.recordtypes import Care, Job, JobName, JobState
 from torpor.errors import TorporError
 
 if TYPE_CHECKING:

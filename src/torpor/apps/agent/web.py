@@ -33,7 +33,7 @@ from fastapi.responses import HTMLResponse
 from torpor.apps.agent import charts
 from torpor.apps.agent.metrics import EngineSource, Event, EventSource, Snapshot, read_snapshot
 from torpor.apps.render import human_ago, human_bytes, human_duration, human_time
-from torpor.core.records import Checkpoint, CheckpointKind, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointKind, JobState
 from torpor.core.store import DURABLE, StoredImage
 from torpor.errors import TorporError
 

@@ -11,7 +11,8 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from torpor.core.engine import JobStatus
-from torpor.core.records import (
+from torpor.core.records import Records
+from torpor.core.recordtypes import (
     Care,
     Checkpoint,
     CheckpointId,
@@ -21,7 +22,6 @@ from torpor.core.records import (
     JobName,
     JobState,
     Quota,
-    Records,
     Submission,
 )
 

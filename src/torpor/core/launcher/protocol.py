@@ -25,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from torpor.core.records import CheckpointId, JobName
+from torpor.core.recordtypes import CheckpointId, JobName
 from torpor.errors import LauncherFailed, TorporError, from_dict
 from torpor.settings import Settings
 

@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import system
+from torpor.adapters.system import ownprocess, private, procfs
 from torpor.core import control
 from torpor.core.checkpoint import checkpoint_in_launcher
 from torpor.core.context import Context, Progress
 from torpor.core.launcher import protocol
 from torpor.core.launcher.protocol import LauncherEnds, LaunchMode, LaunchSpec, RestoreSpec, Started
-from torpor.core.records import JobState
+from torpor.core.recordtypes import JobState
 from torpor.core.restore import restore_into_launcher
 from torpor.errors import JobExited, JobNotFound, JobStartFailed, TorporError
 
@@ -44,7 +44,7 @@ class Launcher:
     """Supervises one incarnation of a job: starts or restores it, records its end, serves its socket."""
 
     def __init__(
-        self, spec: LaunchSpec, restore: RestoreSpec | None = None, umask: int = system.PRIVATE_UMASK
+        self, spec: LaunchSpec, restore: RestoreSpec | None = None, umask: int = private.PRIVATE_UMASK
     ) -> None:
         """``restore``: what to restore from (mode restore); ``umask``: the job's when the settings name none."""
         self.spec = spec
@@ -64,7 +64,7 @@ class Launcher:
     def start_job(self) -> int:
         """Fork the job as PID 1 of a new PID namespace, in a new IPC namespace; returns its pid (our child,
         via subreaping)."""
-        log_fd = system.open_private(Path(self.job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        log_fd = private.open_private(Path(self.job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         pid_r, pid_w = os.pipe()
         exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
         middle = os.fork()
@@ -74,13 +74,13 @@ class Launcher:
                 os.close(exec_r)
                 if self.spec.cgroup:  # the job's processes, forked from here, are all counted there
                     try:
-                        system.join_cgroup(Path(self.spec.cgroup))
+                        ownprocess.join_cgroup(Path(self.spec.cgroup))
                     except OSError as exc:
                         os.write(
                             exec_w, f"cannot join its cgroup {self.spec.cgroup}: {exc.strerror}".encode()
                         )
                         raise
-                system.unshare_job_namespaces()
+                ownprocess.unshare_job_namespaces()
                 child = os.fork()
                 if child == 0:
                     self._exec_job(log_fd, exec_w)
@@ -144,7 +144,7 @@ class Launcher:
     # -- serving ------------------------------------------------------------------------------------
 
     def serve(self, ready_fd: int) -> int:
-        system.become_subreaper()
+        ownprocess.become_subreaper()
         try:
             pid = self.start_job() if self.spec.mode == LaunchMode.START else self.restore_job()
         except TorporError as exc:
@@ -157,7 +157,7 @@ class Launcher:
             return 1
         self.pid = pid
         sock_path = self.ctx.settings.socket_path(self.job.name)
-        system.make_private_dirs(sock_path.parent)
+        private.make_private_dirs(sock_path.parent)
         sock_path.unlink(missing_ok=True)
         self.server = _Server(str(sock_path), _Handler)
         self.server.launcher = self
@@ -167,7 +167,7 @@ class Launcher:
             expected,
             JobState.RUNNING,
             pid=pid,
-            pid_ticks=system.start_ticks(pid),
+            pid_ticks=procfs.start_ticks(pid),
             launcher_pid=os.getpid(),
             started_at=time.time(),
             ended_at=None,
@@ -204,7 +204,7 @@ class Launcher:
                 except ChildProcessError:
                     status = None
                 with self.lock:
-                    if self.pid != waited and self.pid is not None and system.is_alive(self.pid):
+                    if self.pid != waited and self.pid is not None and procfs.is_alive(self.pid):
                         continue  # a failed hibernation restored the job under a new pid: keep watching
                     self._finish(status)
                     self.finished.set()
@@ -238,7 +238,7 @@ class Launcher:
             return control.StatusReply(pid=self.pid, launcher_pid=os.getpid())
         if isinstance(request, control.CheckpointRequest):
             with self.lock:
-                if self.pid is None or not system.is_alive(self.pid):
+                if self.pid is None or not procfs.is_alive(self.pid):
                     raise JobExited(f"job '{self.job.name}' is not running")
                 return checkpoint_in_launcher(
                     self.ctx,
@@ -261,7 +261,7 @@ class Launcher:
     def adopt(self, pid: int) -> None:
         """A failed hibernation restored the job from its staging image: supervise the new tree."""
         self.pid = pid
-        self.ctx.records.set_fields(self.job.name, pid=pid, pid_ticks=system.start_ticks(pid))
+        self.ctx.records.set_fields(self.job.name, pid=pid, pid_ticks=procfs.start_ticks(pid))
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -316,7 +316,7 @@ def forked(spec: LaunchSpec, log: Path, ends: LauncherEnds) -> int:
         with contextlib.suppress(OSError, ValueError):
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
-    out = system.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    out = private.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
@@ -330,7 +330,7 @@ def forked(spec: LaunchSpec, log: Path, ends: LauncherEnds) -> int:
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as we do
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     with contextlib.suppress(OSError):
-        system.set_process_name("torpor-launch")
+        ownprocess.set_process_name("torpor-launch")
     return _serve(spec, ends.ready_w, ends.go_r)
 
 
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(spec: LaunchSpec, ready_fd: int, go_fd: int) -> int:
     # what the launcher and CRIU (its child) write is private; the job gets its caller's umask back
-    inherited = os.umask(system.PRIVATE_UMASK)
+    inherited = os.umask(private.PRIVATE_UMASK)
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # the CLI starts us early (a restore fetches its image meanwhile), then sends the rest of the spec

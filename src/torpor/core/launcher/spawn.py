@@ -15,7 +15,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.core.launcher import server
 from torpor.core.launcher.protocol import LauncherEnds, LaunchSpec, PendingLauncher
 
@@ -46,7 +46,7 @@ def _spawn(spec: LaunchSpec, log: Path, ends: LauncherEnds) -> None:
     """A new interpreter running ``python -m torpor.core.launcher``, its output into the launcher's log."""
     global _spawned
     _spawned = [child for child in _spawned if child.poll() is None]  # reaps exited ones
-    with os.fdopen(system.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log_file:
+    with os.fdopen(private.open_private(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log_file:
         child = subprocess.Popen(
             [sys.executable, "-m", "torpor.core.launcher", spec.to_json(), *(str(fd) for fd in ends.fds)],
             stdin=subprocess.DEVNULL,

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
 from torpor.core.store.hot import HotRecord, as_copy, dumped_pids, owner_alive, tier_error
 from torpor.core.store.prestore import Prestored
@@ -106,7 +106,7 @@ def run(store: TieredStore) -> int:
     try:
         if not store.hot.exists():  # checked to be torpor's own before anything is written there
             return 0
-        fd = system.open_private(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        fd = private.open_private(store.hot.root / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     except FileNotFoundError:
         return 0  # the hot tier was removed (and with it anything to destage)
     except OSError as exc:
@@ -174,7 +174,7 @@ def run(store: TieredStore) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    os.umask(system.PRIVATE_UMASK)  # as its starter's already: what it writes is private
+    os.umask(private.PRIVATE_UMASK)  # as its starter's already: what it writes is private
     # the store configuration is not in these settings: TieredStore reads the state directory's
     settings = Settings.from_dict(json.loads(args[0]))
     try:

@@ -39,7 +39,7 @@ from typing import Any
 
 import blake3
 
-from torpor.adapters import system
+from torpor.adapters.system import private, procfs
 from torpor.core.store.base import STAGED
 from torpor.core.store.hotfolder import HotFolder
 from torpor.core.store.manifest import safe_file_name
@@ -98,15 +98,15 @@ def hash_file(path: Path) -> str:
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:6]}.tmp")
-    system.write_private(tmp, json.dumps(data).encode())
+    private.write_private(tmp, json.dumps(data).encode())
     os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
 
 
 def write_owner(partial: Path, pids: Sequence[int] = ()) -> None:
     """Mark a new ``.partial`` folder as this process's dump, of ``pids`` (for :func:`dumped_pids`)."""
     if pids:
-        system.write_private(partial / PIDS, "".join(f"{pid}\n" for pid in pids).encode())
-    system.write_private(partial / OWNER, str(os.getpid()).encode())
+        private.write_private(partial / PIDS, "".join(f"{pid}\n" for pid in pids).encode())
+    private.write_private(partial / OWNER, str(os.getpid()).encode())
 
 
 def dumped_pids(partial: Path) -> list[int]:
@@ -123,7 +123,7 @@ def owner_alive(partial: Path) -> bool:
         pid = int((partial / OWNER).read_text())
     except (OSError, ValueError):
         return time.time() - partial.stat().st_mtime < 3600  # unknown owner: only very old ones go
-    return system.is_alive(pid)
+    return procfs.is_alive(pid)
 
 
 class HotTier:
@@ -191,7 +191,7 @@ class HotTier:
         for entry in self.root.iterdir():
             if entry.name.endswith(".partial"):
                 with contextlib.suppress(OSError, ValueError):
-                    if system.is_alive(int((entry / OWNER).read_text())):
+                    if procfs.is_alive(int((entry / OWNER).read_text())):
                         found.append(entry)
         return found
 
@@ -265,7 +265,7 @@ class HotTier:
         try:
             if not self.exists():
                 raise FileNotFoundError(errno.ENOENT, "no hot tier", str(self.root))
-            fd = system.open_private(folder / ".lock", os.O_RDWR | os.O_CREAT)
+            fd = private.open_private(folder / ".lock", os.O_RDWR | os.O_CREAT)
         except FileNotFoundError:
             yield  # the image is gone: nothing to protect
             return
@@ -416,7 +416,7 @@ class HotTier:
         source = self._dir(checkpoint_id)
         if not self.exists():
             return False
-        system.make_private_dirs(dest)
+        private.make_private_dirs(dest)
         try:
             for name, (size, _digest) in record.files.items():
                 if not safe_file_name(name) or name.startswith("."):

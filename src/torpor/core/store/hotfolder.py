@@ -4,7 +4,7 @@ Whose folder it is. The default place, ``/dev/shm/torpor-<hash of home>``, is pr
 everyone may write, and holds a job's memory: another user who made it first could read images, swap
 them, or plant links where torpor writes. So the hot tier is torpor's only when it is a real folder (not a
 link), owned by torpor's user and private to it (no group or other bits), below folders nobody else
-can replace (:func:`torpor.adapters.system.replaceable_by_others`; ``/dev/shm`` is sticky).
+can replace (:func:`torpor.adapters.system.private.replaceable_by_others`; ``/dev/shm`` is sticky).
 :meth:`HotFolder.ensure` makes it so (``mkdir`` 0700, then torpor's tmpfs with ``mode=0700``) and checks it through an
 ``O_DIRECTORY|O_NOFOLLOW`` descriptor, before and after mounting; anything else is refused with
 :class:`~torpor.errors.UnsafePath`, never ``chmod``-ed or ``chown``-ed, since someone else may have made
@@ -13,7 +13,7 @@ it. Readers check it too: fully once per folder (its device and inode are rememb
 on the same inode number: its owner or mode differ).
 
 Files inside are not checked one by one: once the folder is verified nobody else can add an entry to it.
-Every file torpor writes there is still opened with ``O_NOFOLLOW`` (:func:`torpor.adapters.system.
+Every file torpor writes there is still opened with ``O_NOFOLLOW`` (:func:`torpor.adapters.system.private.
 open_private`), so a link left there by anything (root itself, an older torpor's folder) redirects no
 write, and CRIU's images are private because torpor's processes run with umask 0o077.
 """
@@ -28,7 +28,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from torpor.adapters import system
+from torpor.adapters.system import mounts, private
 from torpor.errors import StoreError, UnsafePath
 
 #: 4 KiB pages (``huge=never``, tmpfs's default). ``huge=within_size`` lets this kernel put CRIU's writes
@@ -77,7 +77,7 @@ class HotFolder:
         Raises :class:`~torpor.errors.UnsafePath` for a folder torpor did not make as it makes them.
         """
         try:
-            system.make_private_dirs(self.root.parent)  # a TORPOR_HOT_DIR may be missing still
+            private.make_private_dirs(self.root.parent)  # a TORPOR_HOT_DIR may be missing still
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self.root, 0o700)
         except OSError as exc:
@@ -131,7 +131,7 @@ class HotFolder:
 
     def _open_root(self) -> tuple[int, os.stat_result]:
         """A descriptor of the root folder, checked (with its parent) to be torpor's own, and its stat."""
-        problem = system.replaceable_by_others(self.root.parent)
+        problem = private.replaceable_by_others(self.root.parent)
         if problem is not None:
             raise UnsafePath(
                 f"the hot tier {self.root} is not safe: {problem}; set TORPOR_HOT_DIR to a folder only "
@@ -172,7 +172,7 @@ class HotFolder:
         if st is not None and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid():
             shutil.rmtree(self.root, ignore_errors=True)  # empties a mount point, cannot remove it
             with contextlib.suppress(OSError):
-                system.unmount(self.root)
+                mounts.unmount(self.root)
             shutil.rmtree(self.root, ignore_errors=True)
         self._verified = None
         # the lock file an older torpor made beside the hot tier (unlink follows no link)
@@ -191,4 +191,4 @@ class HotFolder:
         parent = os.statvfs(self.root.parent)
         size = parent.f_blocks * parent.f_frsize  # the same limit as the file system it replaces
         with contextlib.suppress(OSError):  # not root, or no tmpfs: a plain folder works, slower
-            system.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")
+            mounts.mount_tmpfs(self.root, f"{OWN_MOUNT_OPTIONS},size={size}")

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.core.store import pagemap
 from torpor.core.store.base import is_bulk
 from torpor.core.store.manifest import ChunkId, Extent, FileEntry, Manifest, safe_file_name
@@ -200,7 +200,7 @@ class LazyImage:
         What CRIU reads itself of the memory, :meth:`attach` writes, where the page server runs: it reads
         the pagemaps anyway, and the chunks it fetches for that stay in its cache for the daemon.
         """
-        system.make_private_dirs(dest)
+        private.make_private_dirs(dest)
         try:
             self._write_files(dest, [e for e in self.manifest.files if not is_bulk(e.name)])
         except OSError as exc:

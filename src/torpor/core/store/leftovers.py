@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import system
+from torpor.adapters.system import mounts
 from torpor.core.store.hotfolder import HOME_MARKER
 from torpor.policy.leftovers import HotTierSeen, Verdict, judge
 from torpor.settings import DEFAULT_HOT_PARENT, Settings, hot_name
@@ -97,7 +97,7 @@ def remove(tier: HotTierFound) -> str | None:
     """Unmount and delete ``tier``; what went wrong, for a person, or ``None``."""
     path = Path(tier.seen.path)
     try:
-        system.unmount(path, lazy=False)
+        mounts.unmount(path, lazy=False)
     except OSError as exc:
         if exc.errno == errno.EBUSY:
             return "a process still has a file open in it: left mounted (see fuser -vm on it)"

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from torpor.adapters import system
+from torpor.adapters.system import procfs
 from torpor.core.store.backend import Backend
 from torpor.errors import ObjectNotFound, StoreBusy, StoreError
 
@@ -50,7 +50,7 @@ class RepositoryLock:
         if (
             data.get("host") == self.host
             and isinstance(data.get("pid"), int)
-            and not system.is_alive(data["pid"])
+            and not procfs.is_alive(data["pid"])
         ):
             return True
         return bool(time.time() - float(data.get("time", 0)) > self.stale_s)

@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torpor.adapters import system
 from torpor.adapters.pipefeed import PipeFeed
+from torpor.adapters.system import private
 from torpor.core.store.chunking import ProgressFn, no_progress
 from torpor.core.store.format import DEFAULT_CHUNK_SIZE
 from torpor.core.store.manifest import FileEntry, Manifest, safe_file_name
@@ -47,7 +47,7 @@ def read(
     written at all (see :func:`file_data`).
     """
     manifest = repo.manifest(checkpoint_id)
-    system.make_private_dirs(dest)
+    private.make_private_dirs(dest)
     total = manifest.size
     done = [0]
     guard = threading.Lock()

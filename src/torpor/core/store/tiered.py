@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torpor.adapters import system
+from torpor.adapters.system import private
 from torpor.core.store.backend import open_backend
 from torpor.core.store.base import (
     DESTAGING,
@@ -130,7 +130,7 @@ class TieredStore:
             return hot
         partial = self.cold_staging / f"{checkpoint_id}.partial"
         try:
-            system.make_private_dirs(self.cold_staging)
+            private.make_private_dirs(self.cold_staging)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(mode=0o700)
             write_owner(partial, pids)
@@ -192,7 +192,7 @@ class TieredStore:
         try:
             if not self.hot.exists():
                 return False
-            fd = system.open_private(self.lock_path, os.O_RDONLY)
+            fd = private.open_private(self.lock_path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
@@ -209,7 +209,7 @@ class TieredStore:
         _children = [child for child in _children if child.poll() is None]
         self.hot.ensure()
         try:
-            log = system.open_private(self.hot.root / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            log = private.open_private(self.hot.root / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         except OSError as exc:
             raise tier_error(exc, self.hot.root) from exc
         try:
