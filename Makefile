@@ -7,6 +7,12 @@ STAMP := $(VENV)/.setup-done
 
 # the tests that need neither root, CRIU, Slurm, PyTorch nor an S3 server, and take a few seconds at most
 UNIT := not criu and not root and not slurm and not torch and not s3 and not slow
+# pytest-xdist workers: both cores of the machines CI runs on. Tests that share an expensive set-up (one
+# Slurm cluster, one initdb, one browser, one reference training run) or something of the machine's (the
+# hot tiers every torpor cleanup looks at) are marked xdist_group("…"): --dist loadgroup runs each group on
+# one worker
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
 
 .PHONY: setup demo test lint typecheck contracts unit suite bench clean
 
