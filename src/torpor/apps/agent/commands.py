@@ -322,7 +322,7 @@ def add_parsers(sub: Any, add: AddParser) -> None:
         "--token-file",
         type=Path,
         metavar="FILE",
-        help="the bearer token TCP requests must bring (a 0600 file)",
+        help="the bearer token TCP requests must bring: a regular 0600 file of yours (not a link, nor <(...))",
     )
     p.add_argument(
         "--round", type=duration, default=1.0, metavar="DURATION", help="time between two rounds (default 1s)"
