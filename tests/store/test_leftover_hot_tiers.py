@@ -98,7 +98,8 @@ def test_doctor_lists_a_mounted_leftover_and_cleanup_unmounts_it_unless_a_file_i
         doctor = torpor.run("doctor", "--json", check=False)
         listed = [t for t in json.loads(doctor.stdout)["hot_tiers"] if t["path"] == str(tier)]
         assert listed and listed[0]["stale"] and listed[0]["mounted"], listed
-        assert str(tier) in torpor.run("doctor", check=False).stdout
+        said = torpor.run("doctor", check=False).stdout
+        assert str(tier) in said, (said, os.path.ismount(tier), tier.exists() and os.listdir(tier))
 
         busy = os.open(tier, os.O_RDONLY | os.O_DIRECTORY)  # a process using it: not unmounted from under it
         try:
