@@ -107,11 +107,9 @@ class HotFolder:
                 0o600,
                 dir_fd=fd,
             )
-        except FileExistsError:
-            return
-        except OSError as exc:
-            raise StoreError(f"cannot write {self.root / HOME_MARKER}: {exc.strerror}") from exc
-        with os.fdopen(marker, "w") as handle:
+        except OSError:
+            return  # there already; or the tier is full: the marker only helps cleanup, a dump comes first
+        with contextlib.suppress(OSError), os.fdopen(marker, "w") as handle:
             handle.write(f"{self.home}\n")
 
     def exists(self) -> bool:
