@@ -232,12 +232,11 @@ def describe_cost(event: Event) -> str:
             parts.append(f"{_label(key)} {len(value)}" + (f" ({'; '.join(reasons)})" if reasons else ""))
         elif isinstance(value, list | tuple):
             parts.append(f"{_label(key)} {len(value)}")
-        elif (isinstance(value, int | float) and not isinstance(value, bool)) or _label(key) == key.replace(
-            "_", " "
-        ):
-            parts.append(f"{_label(key)} {describe_value(key, value)}")
-        else:  # a duration, size or time that is not a number: as it is, under its own name
-            parts.append(f"{key} {value}")
+        else:
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            unit_named = _label(key) != key.replace("_", " ")  # a ``…_s`` or ``…_bytes``
+            # a duration or size that is not a number: as it is, under its own name
+            parts.append(f"{_label(key) if numeric or not unit_named else key} {describe_value(key, value)}")
     if detail.get("error"):
         parts.append(f"failed: {detail['error']}")
     return "; ".join(parts) or "-"

@@ -361,18 +361,7 @@ class HotTier:
         return sum(self._used_by_entry().values())
 
     def _used_by_entry(self) -> dict[str, int]:
-        """Bytes taken in the tier by each of its entries (an image's folder counts as one), in one walk."""
-        found: dict[str, int] = {}
-        if not self.exists():
-            return found
-        for dirpath, _dirs, filenames in os.walk(self.root):
-            top = os.path.relpath(dirpath, self.root).split(os.sep)[0]
-            for name in filenames:
-                with contextlib.suppress(OSError):
-                    entry = name if top == os.curdir else top
-                    blocks = os.lstat(os.path.join(dirpath, name)).st_blocks
-                    found[entry] = found.get(entry, 0) + blocks * 512
-        return found
+        return used_by_entry(self.root) if self.exists() else {}
 
     def free_bytes(self) -> int:
         """Room left on the hot tier's file system (others may use it too, e.g. all of /dev/shm)."""
@@ -470,6 +459,20 @@ class HotTier:
             and self.record(name) is None
             and now - entry.stat().st_mtime > 60
         )
+
+
+def used_by_entry(root: Path) -> dict[str, int]:
+    """Bytes taken in the folder ``root`` by each of its entries (an image's folder counts as one), in one
+    walk; ``root`` is not checked to be torpor's (:meth:`HotTier.exists` does that)."""
+    found: dict[str, int] = {}
+    for dirpath, _dirs, filenames in os.walk(root):
+        top = os.path.relpath(dirpath, root).split(os.sep)[0]
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                entry = name if top == os.curdir else top
+                blocks = os.lstat(os.path.join(dirpath, name)).st_blocks
+                found[entry] = found.get(entry, 0) + blocks * 512
+    return found
 
 
 def tier_error(exc: OSError, root: Path) -> TorporError:

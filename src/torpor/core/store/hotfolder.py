@@ -41,6 +41,25 @@ OWN_MOUNT_OPTIONS = "huge=never,mode=0700"
 #: the file in the hot tier that names the state directory it belongs to: the hot tier lives outside it,
 #: and this is how ``torpor doctor`` and ``torpor cleanup`` tell one whose state directory was deleted
 HOME_MARKER = ".home"
+#: longer than any path a marker holds: a bigger file is not torpor's
+MARKER_MAX = 8192
+
+
+def read_home_marker(fd: int) -> str | None:
+    """The state directory the folder ``fd`` names in its :data:`HOME_MARKER`, if that is a small regular
+    file holding an absolute path (as :meth:`HotFolder.ensure` writes it)."""
+    try:
+        marker = os.open(HOME_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return None
+    with os.fdopen(marker, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            return None
+        text = handle.read(MARKER_MAX + 1)
+    if len(text) > MARKER_MAX:
+        return None
+    home = text.decode(errors="replace").strip()
+    return home if home.startswith("/") else None
 
 
 def _folder_problem(st: os.stat_result) -> str | None:

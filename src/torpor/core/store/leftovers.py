@@ -15,21 +15,19 @@ import errno
 import os
 import re
 import shutil
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from torpor.adapters.system import mounts
-from torpor.core.store.hotfolder import HOME_MARKER
+from torpor.core.store.hot import used_by_entry
+from torpor.core.store.hotfolder import HOME_MARKER, read_home_marker
 from torpor.policy.leftovers import HotTierSeen, Verdict, judge
 from torpor.settings import DEFAULT_HOT_PARENT, Settings, hot_name
 
 #: the folder names torpor gives hot tiers (:func:`torpor.settings.hot_name`)
 NAME = re.compile(r"torpor-[0-9a-f]{12}")
-#: longer than any path a marker holds: a bigger file is not torpor's
-MARKER_MAX = 8192
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def look(path: Path, settings: Settings, force: bool = False) -> HotTierFound | 
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
             return None
-        home = _marker(fd)
+        home = read_home_marker(fd)
         entries = sum(1 for name in os.listdir(fd) if name != HOME_MARKER)
     finally:
         os.close(fd)
@@ -90,7 +88,7 @@ def look(path: Path, settings: Settings, force: bool = False) -> HotTierFound | 
         entries=entries,
         age_s=time.time() - info.st_mtime,
     )
-    return HotTierFound(seen, os.path.ismount(path), _used(path), judge(seen, force))
+    return HotTierFound(seen, os.path.ismount(path), sum(used_by_entry(path).values()), judge(seen, force))
 
 
 def remove(tier: HotTierFound) -> str | None:
@@ -112,28 +110,3 @@ def remove(tier: HotTierFound) -> str | None:
     with contextlib.suppress(OSError):
         (path.parent / f".{path.name}.mount-lock").unlink(missing_ok=True)
     return None
-
-
-def _marker(fd: int) -> str | None:
-    """The state directory the folder ``fd`` names, if it holds a marker that is a small regular file."""
-    try:
-        marker = os.open(HOME_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    except OSError:
-        return None
-    with os.fdopen(marker, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return None
-        text = handle.read(MARKER_MAX + 1)
-    if len(text) > MARKER_MAX:
-        return None
-    home = text.decode(errors="replace").strip()
-    return home if home.startswith("/") else None
-
-
-def _used(path: Path) -> int:
-    used = 0
-    for dirpath, _dirs, filenames in os.walk(path):
-        for name in filenames:
-            with contextlib.suppress(OSError):
-                used += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return used
