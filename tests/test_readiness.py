@@ -1,12 +1,14 @@
 """Looking at a starting job with real things: a port that listens or not (torpor.adapters.readiness
 .port_accepts), a log file appended to in pieces (LogFollower), the CPU time of real busy, idle and
-reaped processes (procfs.cpu_seconds_with_children)."""
+reaped processes (procfs.cpu_seconds_with_children), and torpor.core.readiness.watch on real jobs until
+each rule says ready, the job exits, the timeout passes or the caller stops it."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +18,9 @@ import pytest
 from conftest import free_port
 from torpor.adapters.readiness import MAX_LINE, MAX_READ, LogFollower, port_accepts
 from torpor.adapters.system import procfs
+from torpor.core.readiness import read_ready_when, watch
+from torpor.errors import UsageError
+from torpor.policy.ready import Outcome, ReadyWhen
 
 #: burns ``argv[1]`` seconds of its own CPU time, says so, then sleeps
 BUSY_THEN_SLEEP = (
@@ -45,6 +50,11 @@ def spawn() -> Iterator[Spawn]:
         child.wait(timeout=5)
         if child.stdout is not None:
             child.stdout.close()
+
+
+def itself(pid: int) -> list[int]:
+    """The job's processes, for a job that is one process (a test's child has no PID namespace)."""
+    return [pid]
 
 
 # -- a port --------------------------------------------------------------------------------------------
@@ -173,3 +183,98 @@ def test_processes_gone_count_nothing() -> None:
     child = subprocess.Popen(["true"])
     child.wait(timeout=5)
     assert procfs.cpu_seconds_with_children([child.pid]) == 0.0
+
+
+# -- watching a job ------------------------------------------------------------------------------------
+
+
+def test_watch_sees_a_port_ready_once_the_job_listens(spawn: Spawn, tmp_path: Path) -> None:
+    job = spawn("sleep", "30")
+    port = free_port()
+    server = socket.socket()
+
+    def listen_later() -> None:
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    began = time.monotonic()
+    opener = threading.Thread(target=listen_later)
+    opener.start()
+    try:
+        verdict = watch(ReadyWhen.port_open(port), job.pid, tmp_path / "job.log", 0, started_at=began)
+    finally:
+        opener.join()
+        server.close()
+    assert verdict.outcome == Outcome.READY
+    assert 0.3 <= verdict.at < 1.5
+
+
+def test_watch_sees_a_log_line_the_job_writes_and_not_the_ones_before_it(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("Listening on 8080 (the last run)\n")
+    writes = f"sleep 0.3; echo loading >> {log}; echo 'Listening on 8080' >> {log}; exec sleep 30"
+    began = time.monotonic()
+    job = spawn("sh", "-c", writes)
+    verdict = watch(
+        read_ready_when(r"log:Listening on \d+"), job.pid, log, log.stat().st_size, started_at=began
+    )
+    assert verdict.outcome == Outcome.READY
+    assert 0.3 <= verdict.at < 1.5
+
+
+def test_watch_sees_an_idle_job_ready_after_its_window(spawn: Spawn, tmp_path: Path) -> None:
+    job = spawn("sleep", "30")
+    verdict = watch(ReadyWhen.cpu_idle(0.3), job.pid, tmp_path / "job.log", 0, members=itself)
+    assert verdict.outcome == Outcome.READY
+    assert 0.3 <= verdict.at < 1.5
+    assert "of one core" in verdict.reason
+
+
+def test_watch_gives_up_on_a_busy_job_at_the_timeout(spawn: Spawn, tmp_path: Path) -> None:
+    job = spawn(sys.executable, "-c", BUSY_THEN_SLEEP, "30")
+    verdict = watch(ReadyWhen.cpu_idle(0.3), job.pid, tmp_path / "job.log", 0, timeout_s=0.8, members=itself)
+    assert verdict.outcome == Outcome.GIVE_UP
+    assert verdict.reason.startswith("not ready after 800ms: CPU use")
+    assert 0.8 <= verdict.at < 1.5
+
+
+def test_watch_gives_up_when_the_job_exits(spawn: Spawn, tmp_path: Path) -> None:
+    began = time.monotonic()
+    job = spawn("sleep", "0.2")
+    verdict = watch(ReadyWhen.port_open(free_port()), job.pid, tmp_path / "job.log", 0, started_at=began)
+    assert verdict.outcome == Outcome.GIVE_UP
+    assert "exited" in verdict.reason
+    assert 0.2 <= verdict.at < 1.5
+
+
+def test_watch_returns_wait_soon_after_it_is_stopped(spawn: Spawn, tmp_path: Path) -> None:
+    job = spawn("sleep", "30")
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    began = time.monotonic()
+    verdict = watch(read_ready_when("log:never"), job.pid, tmp_path / "job.log", 0, stop=stop)
+    assert verdict.outcome == Outcome.WAIT
+    assert time.monotonic() - began < 0.2 + 0.5 + 0.3
+
+
+def test_watch_counts_from_the_job_start_it_is_given(spawn: Spawn, tmp_path: Path) -> None:
+    job = spawn("sleep", "30")
+    verdict = watch(
+        ReadyWhen.cpu_idle(0.3),
+        job.pid,
+        tmp_path / "job.log",
+        0,
+        started_at=time.monotonic() - 5,
+        members=itself,
+    )
+    assert verdict.outcome == Outcome.READY
+    assert verdict.at >= 5
+
+
+def test_a_bad_spec_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="--ready-when 'port:0': a TCP port is 1 to 65535") as refused:
+        read_ready_when("port:0")
+    assert refused.value.exit_code == 2
