@@ -7,7 +7,8 @@
     │   ├── JobNotFound
     │   ├── CheckpointNotFound
     │   ├── WrongState               e.g. checkpoint a hibernated job, resume a running one
-    │   └── FilesChanged             a resume would cut files someone else changed since the job stopped
+    │   ├── FilesChanged             a resume would cut files someone else changed since the job stopped
+    │   └── TemplateNotFound         no template of that name
     ├── EnvironmentProblem (3)       the machine cannot do it: CRIU missing/too old, dir not writable
     │   ├── CriuUnavailable
     │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
@@ -67,6 +68,10 @@ class WrongState(UsageError):
 
 
 class FilesChanged(UsageError):
+    pass
+
+
+class TemplateNotFound(UsageError):
     pass
 
 
@@ -150,6 +155,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         CheckpointNotFound,
         WrongState,
         FilesChanged,
+        TemplateNotFound,
         EnvironmentProblem,
         CriuUnavailable,
         UnsafePath,

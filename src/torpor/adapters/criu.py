@@ -414,6 +414,9 @@ class Criu:
         lazy: bool = False,
         gate: RestoreGate | None = None,
         stream: bool = False,
+        files: Mapping[str, int] | None = None,
+        fresh_copy: bool = False,
+        net_namespace: str | None = None,
     ) -> int:
         """Restore a tree detached (``-d``) and return its root's pid.
 
@@ -426,6 +429,13 @@ class Criu:
         (:mod:`torpor.adapters.imagestreamer`), not from the folder. CRIU then runs in ``images_dir``
         with ``--images-dir .``: it connects to the streamer by a path it makes from that argument, and
         a socket path holds at most 107 bytes.
+
+        ``files``: regular files of the image given other descriptors of ours (the image's path without
+        its leading '/' → our descriptor, ``--inherit-fd``): a copy of a job writes its own log.
+        ``fresh_copy``: the tree is a new copy of one that may still run (a start from a template): its
+        TCP connections are not restored but closed (``--tcp-close``), as they are the original's.
+        ``net_namespace``: the tree joins this network namespace (a path, ``--join-ns net:``) instead of
+        the one it had.
         """
         self.require()
         # each socket the job had connected outside it gets a fresh one whose peer is already closed: the
@@ -450,7 +460,9 @@ class Criu:
             "--restore-detached",
             "--pidfile",
             str(pidfile),
-            *COMMON_OPTIONS,
+            *(("--tcp-close", "--file-locks") if fresh_copy else COMMON_OPTIONS),
+            *(["--join-ns", f"net:{net_namespace}"] if net_namespace else []),
+            *(arg for key, fd in (files or {}).items() for arg in ("--inherit-fd", f"fd[{fd}]:{key}")),
             *(["--lazy-pages"] if lazy else []),
             *(["--action-script", str(gate.script)] if gate else []),
             *(["--stream"] if stream else []),
@@ -464,7 +476,7 @@ class Criu:
                 timeout=6 * 3600,
                 env=gate.env() if gate else None,
                 cwd=images_dir if stream else None,
-                pass_fds=[s.fileno() for s in closed_peers],
+                pass_fds=[s.fileno() for s in closed_peers] + list((files or {}).values()),
             )
         finally:
             for ours in closed_peers:

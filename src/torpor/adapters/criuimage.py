@@ -10,12 +10,16 @@ job; this module only reads what it wrote.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 _FD_TYPE_REG = 1
+_FD_TYPE_INETSK = 4
 _FD_TYPE_UNIXSK = 5
+_IPPROTO_TCP = 6
+_TCP_LISTEN = 10  # TCP_LISTEN in the kernel's tcp_states
 _O_ACCMODE = 3
 _O_APPEND = 0o2000
 _SOCK_DGRAM = 2
@@ -209,6 +213,40 @@ def open_files(images_dir: Path) -> list[OpenFile]:
                 read_write=(flags & _O_ACCMODE) == _O_RDWR,
             )
         )
+    return found
+
+
+@dataclass(frozen=True)
+class ImageListener:
+    """A TCP socket the dumped tree had listening: where, and whether it shares its port (SO_REUSEPORT)."""
+
+    host: str
+    port: int
+    reuseport: bool
+
+
+def tcp_listeners(images_dir: Path) -> list[ImageListener]:
+    """The listening TCP sockets (v4 and v6) in ``files.img``.
+
+    FileEntry{type=1 (INETSK is 4), isk=4: InetSkEntry{family=3, proto=5, state=6, src_port=7,
+    src_addr=11 (repeated u32), opts=14: SkOptsEntry{so_reuseport=17}}}; state 10 is LISTEN.
+    """
+    found = []
+    for entry in file_entries(images_dir):
+        raw = entry.get(4)
+        if entry.get(1) != _FD_TYPE_INETSK or not isinstance(raw, bytes):
+            continue
+        isk = fields(raw)
+        if isk.get(5) != _IPPROTO_TCP or isk.get(6) != _TCP_LISTEN:
+            continue
+        words = [w for w in repeated(raw, 11) if isinstance(w, int)]
+        packed = b"".join(w.to_bytes(4, "little") for w in words)
+        host = str(ipaddress.ip_address(packed)) if len(packed) in (4, 16) else "0.0.0.0"
+        opts = isk.get(14)
+        reuseport = isinstance(opts, bytes) and bool(fields(opts).get(17, 0))
+        port = isk.get(7)
+        if isinstance(port, int):
+            found.append(ImageListener(host, port, reuseport))
     return found
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from torpor import __version__
 from torpor.adapters.system import private
-from torpor.apps import machine, slurm
+from torpor.apps import machine, slurm, templates
 from torpor.apps.agent import commands as agent_commands
 from torpor.apps.agent import scheduler_commands
 from torpor.apps.agent.locate import answers, socket_path
@@ -43,13 +43,22 @@ def cmd_run(engine: Engine, args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     policy = agent_commands.policy_for_run(args)  # checked before the job starts
-    job = engine.run(args.name, command, os.getcwd())
+    templates.check_run_flags(args, command)
+    where = ""
+    if templates.wants_template(args):
+        job, where = templates.run_with_template(engine, args, command)
+    else:
+        job = engine.run(args.name, command, os.getcwd())
     if policy is not None:
         engine.records.set_policy(job.name, policy)
+    if args.lazy and job.restored_from is not None:
+        engine.wait_lazy(job.name, progress=progress(args))
     if args.json:
-        emit_json(_status_dict(engine.status(job.name)))
+        emit_json({**_status_dict(engine.status(job.name)), "started": where or "cold"})
     else:
-        print(f"started job '{job.name}' (pid {job.pid}); output: torpor logs {job.name}")
+        print(
+            f"started job '{job.name}' (pid {job.pid}){' ' + where if where else ''}; output: torpor logs {job.name}"
+        )
         if policy is not None:
             agent = "" if socket_path(engine.settings).exists() else " (once 'torpor agent' runs)"
             print(f"the agent will: {policy.describe()}{agent}")
@@ -341,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="job name (default: derived from the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     agent_commands.add_policy_flags(p, for_run=True)
+    templates.add_run_flags(p)
     p.epilog = (
         "torchrun (or python -m torch.distributed.run) is started with its TCPStore without libuv, whose "
         "io_uring CRIU cannot checkpoint (docs/architecture.md)."
@@ -425,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rm)
 
     machine.add_parsers(sub, add)
+    templates.add_parsers(sub, add)
     agent_commands.add_parsers(sub, add)
     scheduler_commands.add_scheduling_parsers(sub, add)
     slurm.add_parser(sub)

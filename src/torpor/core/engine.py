@@ -25,8 +25,8 @@ from torpor.adapters.system import private, procfs
 from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
-from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher, RestoreSpec
-from torpor.core.launcher.release import release_gated, release_streamed
+from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher
+from torpor.core.launcher.release import fetch_and_release
 from torpor.core.launcher.spawn import start_launcher
 from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.recordtypes import (
@@ -38,16 +38,14 @@ from torpor.core.recordtypes import (
     Job,
     JobName,
     JobState,
+    Origin,
 )
 from torpor.core.restore import LAZY_KILL, prepare_world
 from torpor.core.rewind import Rewound
 from torpor.core.starting import PreparedRun
 from torpor.core.store import (
     DURABLE,
-    Check,
     GcResult,
-    PageStream,
-    RestoreSource,
     StoreConfig,
     StoredImage,
     open_cold_tier,
@@ -102,10 +100,15 @@ class Engine:
         env: dict[str, str] | None = None,
         umask: int | None = None,
         cgroup: Path | None = None,
+        warm: str | None = None,
+        ready_when: str | None = None,
     ) -> Job:
         """Start ``command`` as a new job; with ``env``/``umask``, in those instead of the caller's (the
-        agent starting a submitted job), with ``cgroup``, in that cgroup folder."""
-        return self.prepare_run(name, command, cwd, env=env, umask=umask, cgroup=cgroup).go()
+        agent starting a submitted job), with ``cgroup``, in that cgroup folder. ``warm``: its launcher
+        saves it as that template once it is ready by ``ready_when`` (``--warm-start``)."""
+        return self.prepare_run(
+            name, command, cwd, env=env, umask=umask, cgroup=cgroup, warm=warm, ready_when=ready_when
+        ).go()
 
     def prepare_run(
         self,
@@ -116,6 +119,8 @@ class Engine:
         env: dict[str, str] | None = None,
         umask: int | None = None,
         cgroup: Path | None = None,
+        warm: str | None = None,
+        ready_when: str | None = None,
     ) -> PreparedRun:
         """Check a start and have its launcher start up (a new interpreter, ~0.3 s), waiting for
         :meth:`~torpor.core.starting.PreparedRun.go`: the scheduler prepares the job a victim makes room
@@ -142,6 +147,8 @@ class Engine:
             env,
             umask,
             None if cgroup is None else str(cgroup),
+            warm,
+            ready_when,
         )
         return PreparedRun(
             self.records,
@@ -150,6 +157,7 @@ class Engine:
             command,
             cwd,
             start_launcher(spec, job_dir / "launcher.log"),
+            None if warm is None else Origin(job_name, warm=warm, ready_when=ready_when),
         )
 
     def refuse_if_draining(self, what: str) -> None:
@@ -382,8 +390,12 @@ class Engine:
         )
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         launcher: PendingLauncher | None = None
-        pages: PageStream | None = None
         rewound: Rewound | None = None
+
+        def prepare() -> None:
+            nonlocal rewound
+            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
+
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
             if previous.pid and not procfs.wait_gone(
@@ -392,40 +404,16 @@ class Engine:
                 raise RestoreFailed(
                     f"the previous processes of '{name}' (pid {previous.pid}) are still running"
                 )
-            progress(
-                f"fetching checkpoint {checkpoint.id} ({checkpoint.size_bytes / 2**20:.0f} MiB), verifying"
-            )
-            source = self.ctx.store.restore_source(
-                checkpoint.id, lazy=lazy, stream=self.settings.stream_restore
-            )
-            check: Check | None = None
-            if source == RestoreSource.LAZY_SERVED:
-                # from the cold tier, memory comes in page by page (each chunk verified as it is fetched)
-                self.ctx.store.prepare_lazy(checkpoint.id, image_dir)
-            elif source == RestoreSource.LAZY_LOCAL:
-                # an image in RAM is verified whole first, then CRIU's own daemon serves it
-                self.ctx.store.get(checkpoint.id, image_dir)
-            elif source == RestoreSource.COLD_STREAMED:
-                pages = self.ctx.store.stream_pages(checkpoint.id, image_dir)
-            else:  # HOT_LINKED, COLD_WHOLE: all but the pages verified now, those while CRIU reads them
-                check = self.ctx.store.fetch(checkpoint.id, image_dir)
-            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
-            spec = RestoreSpec(
-                image_dir=str(image_dir),
-                checkpoint_id=checkpoint.id,
+            fetch_and_release(
+                self.ctx,
+                launcher,
+                checkpoint.id,
+                checkpoint.size_bytes,
+                image_dir,
+                progress,
+                prepare,
                 lazy=lazy,
-                served=source == RestoreSource.LAZY_SERVED,
-                stream=pages is not None,
             )
-            if pages is not None:
-                progress("restoring with criu; memory streams in from the store, each chunk verified first")
-                release_streamed(launcher, spec, image_dir, pages)
-            elif check is None:
-                progress("restoring with criu")
-                launcher.release(spec)
-            else:
-                progress("restoring with criu; the job runs once its memory pages are verified")
-                release_gated(self.ctx, launcher, spec, image_dir, check)
         except TorporError as exc:
             if launcher is not None:
                 launcher.abort()
@@ -448,9 +436,6 @@ class Engine:
                 f"{exc.message}; job '{name}' stays {previous.state} and checkpoint {checkpoint.id} is kept",
                 details=exc.details,
             ) from exc
-        finally:
-            if pages is not None:
-                pages.close()
         hibernation = self.records.latest_checkpoint(job.name)
         if previous.state == JobState.HIBERNATED and hibernation and hibernation.id != checkpoint.id:
             self._release_network_lock(job.name, hibernation.id, progress)

@@ -99,6 +99,34 @@ CREATE TABLE IF NOT EXISTS quotas (
     share INTEGER NOT NULL,
     borrow_limit INTEGER
 );
+-- checkpoints kept as start points ('torpor template save', --warm-start): the image is the store's under
+-- the checkpoint's id, owned by the template (it is in no job's checkpoints: retention and rm leave it)
+CREATE TABLE IF NOT EXISTS templates (
+    name TEXT PRIMARY KEY,
+    checkpoint TEXT NOT NULL,
+    source_job TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    freeze_s REAL NOT NULL,
+    criu_version TEXT NOT NULL,
+    command TEXT NOT NULL,
+    cwd TEXT NOT NULL,
+    -- the log its source job wrote to: a job started from it writes to its own instead
+    log_path TEXT NOT NULL,
+    -- [path, size, mtime_ns, inode] of each file its processes had mapped or open read-only
+    files TEXT NOT NULL,
+    -- [host, port] of each TCP address it listened on
+    listens TEXT NOT NULL,
+    ready_when TEXT
+);
+-- where a job started from a template or with --warm-start comes from, and its own network if it has one
+CREATE TABLE IF NOT EXISTS origins (
+    job TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
+    template TEXT,
+    warm TEXT,
+    ready_when TEXT,
+    address TEXT
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
@@ -240,6 +268,7 @@ class Records:
             db.execute("DELETE FROM checkpoints WHERE job=?", (name,))
             db.execute("DELETE FROM policies WHERE job=?", (name,))
             db.execute("DELETE FROM submissions WHERE name=?", (name,))
+            db.execute("DELETE FROM origins WHERE job=?", (name,))
             _set_meta(db, _STOPPED_DUMP + name, None)
             db.execute("DELETE FROM jobs WHERE name=?", (name,))
 

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import NewType
 
 from torpor.policy.jobpolicy import JobPolicy
+from torpor.policy.warmstart import FileStamp
 
 JobName = NewType("JobName", str)
 CheckpointId = NewType("CheckpointId", str)
@@ -168,3 +169,44 @@ class Event:
     reason: str
     #: the cost and outcome: freeze_s, size_bytes, total_s, freed_bytes, durable_s, error…
     detail: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Template:
+    """A checkpoint kept as a start point: any number of new jobs start where its source job was.
+
+    Its image is the store's, under ``checkpoint``; no job owns it (retention and ``rm`` leave it).
+    """
+
+    name: str
+    checkpoint: CheckpointId
+    source_job: JobName
+    created_at: float
+    size_bytes: int
+    freeze_s: float
+    criu_version: str
+    command: list[str]
+    cwd: str
+    #: the log its source job wrote to (as its image names it): a job started from it gets its own
+    log_path: str
+    #: the files its processes had mapped or open read-only, as they were: a start after one changed
+    #: would not be the same program (policy.warmstart.stale_reasons)
+    files: tuple[FileStamp, ...]
+    #: the TCP addresses it listened on, ``(host, port)`` each: a second copy on the same network needs them
+    listens: tuple[tuple[str, int], ...]
+    #: saved by ``--warm-start`` once ready by this rule (None: by hand)
+    ready_when: str | None = None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a job comes from when it is not a plain ``torpor run``: a template, a warm start, a network."""
+
+    job: JobName
+    #: the template it was started from (None: it started cold)
+    template: str | None = None
+    #: ``--warm-start``: the template its starts come from, saved once it is ready by ``ready_when``
+    warm: str | None = None
+    ready_when: str | None = None
+    #: ``--own-network``: its address on torpor's bridge
+    address: str | None = None

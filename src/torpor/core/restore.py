@@ -17,12 +17,13 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from torpor.adapters.criu import RestoreGate
 from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
-from torpor.adapters.system import ownprocess, procfs
+from torpor.adapters.system import ownprocess, private, procfs
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
@@ -42,6 +43,8 @@ def restore_into_launcher(
     gate: RestoreGate | None = None,
     served: bool = False,
     stream: bool = False,
+    copy_of: str | None = None,
+    net_namespace: str | None = None,
 ) -> int:
     """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
 
@@ -50,6 +53,11 @@ def restore_into_launcher(
     ``image_dir`` is deleted once that daemon is done. ``gate``: the image's pages are still being
     verified; CRIU restores the tree meanwhile and lets it run only on a good verdict. ``stream``: CRIU
     reads every file from the image streamer the caller runs on ``image_dir`` (``criu restore --stream``).
+    ``copy_of``: the image is a template's, whose job wrote to the log ``copy_of``: this job is a new
+    copy, which writes to its own log and leaves the original's TCP connections alone.
+    ``net_namespace``: the tree joins that network namespace (its own network, ``--own-network``).
+
+    Once the tree runs, each of its processes that handles ``SIGCONT`` gets one: :data:`RESTORED_SIGNAL`.
     """
     daemon = None
     server: PageServer | None = None
@@ -90,7 +98,7 @@ def restore_into_launcher(
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
         # the CPUs kept quick to wake while CRIU restores (ownprocess.cpu_wakeups_held)
-        with ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups):
+        with ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups), _own_log(job, copy_of) as files:
             pid = ctx.criu.restore(
                 image_dir,
                 ctx.criu_log(job.name, "restore", checkpoint_id),
@@ -99,10 +107,15 @@ def restore_into_launcher(
                 lazy=lazy,
                 gate=gate,
                 stream=stream,
+                files=files,
+                fresh_copy=copy_of is not None,
+                net_namespace=net_namespace,
             )
         root.append(pid)
         restored.set()
-        ctx.gpu.after_restore(procfs.namespace_members(pid))
+        members = procfs.namespace_members(pid)
+        ctx.gpu.after_restore(members)
+        tell_restored(members)
     except BaseException:
         restored.set()
         if daemon is not None:
@@ -130,6 +143,40 @@ def restore_into_launcher(
 
         threading.Thread(target=clean_up, name="lazy-pages", daemon=True).start()
     return pid
+
+
+#: the signal a restored job's processes get once they run again, if they handle it (and only then: it
+#: is harmless to a process that does not, and means "you were stopped, go on", which a restore is)
+RESTORED_SIGNAL = signal.SIGCONT
+
+
+def tell_restored(pids: list[int]) -> list[int]:
+    """Send :data:`RESTORED_SIGNAL` to those of ``pids`` that handle it; the ones told."""
+    told = []
+    for pid in pids:
+        if procfs.catches(pid, RESTORED_SIGNAL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, RESTORED_SIGNAL)
+                told.append(pid)
+    return told
+
+
+@contextlib.contextmanager
+def _own_log(job: Job, copy_of: str | None) -> Iterator[dict[str, int]]:
+    """For a copy of a template's job: this job's log, open to be handed to CRIU in place of ``copy_of``."""
+    if copy_of is None:
+        yield {}
+        return
+    fd = private.open_private(Path(job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        yield {log_key(copy_of): fd}
+    finally:
+        os.close(fd)
+
+
+def log_key(log_path: str) -> str:
+    """How ``criu restore --inherit-fd`` names a regular file of the image: its path without the '/'."""
+    return os.path.normpath(log_path).lstrip("/")
 
 
 def recreate_socket_folders(image_dir: Path) -> list[str]:

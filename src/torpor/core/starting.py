@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torpor.core.launcher.protocol import PendingLauncher
 from torpor.core.records import Records
-from torpor.core.recordtypes import Job, JobName, JobState
+from torpor.core.recordtypes import Job, JobName, JobState, Origin
+from torpor.core.templates import Templates
 from torpor.errors import JobNotFound, TorporError
 from torpor.settings import Settings
 
@@ -28,6 +29,8 @@ class PreparedRun:
     command: list[str]
     cwd: str
     launcher: PendingLauncher
+    #: where the job comes from, noted with its record (a ``--warm-start``)
+    origin: Origin | None = None
 
     def go(self) -> Job:
         """Make the job's record and let its launcher start it; the job as it runs (or the start's error)."""
@@ -36,6 +39,8 @@ class PreparedRun:
             records.create_job(
                 self.name, self.command, self.cwd, str(self.settings.job_dir(self.name) / "output.log")
             )
+            if self.origin is not None:
+                Templates(records).set_origin(self.origin)
         except BaseException:
             self.launcher.abort()
             raise

@@ -52,6 +52,18 @@ def pid_namespace(pid: int) -> str | None:
         return None
 
 
+def own_pid_namespace() -> str:
+    """The PID namespace of the calling process (``/proc/self``: its pid in a namespace of its own is not
+    its pid in this /proc)."""
+    return os.readlink("/proc/self/ns/pid")
+
+
+def in_own_pid_namespace() -> bool:
+    """Whether the calling process runs in a PID namespace below the one ``/proc`` shows (a job's): its
+    pid there is not its pid here."""
+    return int(os.readlink("/proc/self")) != os.getpid()
+
+
 def namespace_members(root_pid: int) -> list[int]:
     """All processes in the PID namespace whose init is ``root_pid`` (the whole job)."""
     namespace = pid_namespace(root_pid)
@@ -292,3 +304,40 @@ def script_interpreter(path: str) -> list[str] | None:
         quoted = lines[1].split('"')
         return [quoted[1]] if len(quoted) > 2 else None
     return interpreter or None
+
+
+def program_files(pids: list[int]) -> list[str]:
+    """The regular files ``pids`` have mapped (the executable, shared libraries, mapped model files) or
+    open read-only (what they read on from): the files that make the running program what it is.
+
+    Files open for writing are left out (the job's own output: it changes them), and so are deleted
+    ones and the ``/proc``, ``/sys`` and ``/dev`` entries. Sorted, once each; a process gone meanwhile is
+    left out.
+    """
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/"):
+                        found.add(parts[5].rstrip("\n"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if not target.startswith("/"):
+                        continue
+                    flags = Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:", 1)[1].split()[0]
+                    if int(flags, 8) & os.O_ACCMODE == os.O_RDONLY:
+                        found.add(target)
+    return sorted(
+        path
+        for path in found
+        if not path.endswith(" (deleted)") and not path.startswith(("/proc/", "/sys/", "/dev/"))
+    )
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler of its own for signal ``sig`` (``SigCgt`` in its status)."""
+    mask = _status(pid, "SigCgt")
+    return mask is not None and bool(mask) and bool(int(mask[0], 16) >> (sig - 1) & 1)

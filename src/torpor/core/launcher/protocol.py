@@ -53,6 +53,10 @@ class LaunchSpec:
     #: before it runs, so that everything the job allocates is counted there (a restore needs none: CRIU
     #: puts the restored tree back into the cgroups it was dumped from)
     cgroup: str | None = None
+    #: ``--warm-start``: once the job is ready by ``ready_when`` (policy.ready), the launcher saves it as
+    #: template ``warm``
+    warm: str | None = None
+    ready_when: str | None = None
 
     def settings(self) -> Settings:
         return Settings.from_dict(self.settings_dict)
@@ -70,6 +74,8 @@ class LaunchSpec:
             data.get("env"),
             data.get("umask"),
             data.get("cgroup"),
+            data.get("warm"),
+            data.get("ready_when"),
         )
 
 
@@ -86,6 +92,10 @@ class RestoreSpec:
     #: the file ``gate``; the restored job runs only once it says so (criu.RestoreGate)
     gate: str | None = None
     gate_pid: int | None = None
+    #: the image is a template's whose job wrote to this log: the job is a new copy (restore.py)
+    copy_of: str | None = None
+    #: the network namespace (a path) the restored tree joins: the job's own network
+    net_namespace: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from torpor.adapters.imagestreamer import ImageStreamer
-from torpor.core.context import Context
+from torpor.core.context import Context, Progress
 from torpor.core.launcher.protocol import PendingLauncher, RestoreSpec
-from torpor.core.store import Check, PageStream
+from torpor.core.recordtypes import CheckpointId
+from torpor.core.store import Check, PageStream, RestoreSource
 from torpor.errors import StoreError, TorporError
 
 
@@ -75,3 +77,61 @@ def release_gated(
         verifier.join()
         if failed:  # the image's own error says more than "criu restore failed"
             raise failed[0]
+
+
+def fetch_and_release(
+    ctx: Context,
+    launcher: PendingLauncher,
+    checkpoint_id: CheckpointId,
+    size_bytes: int,
+    image_dir: Path,
+    progress: Progress,
+    prepare: Callable[[], None],
+    *,
+    lazy: bool = False,
+    copy_of: str | None = None,
+    net_namespace: str | None = None,
+) -> None:
+    """Bring checkpoint ``checkpoint_id``'s image into ``image_dir`` the way the store says (streamed,
+    lazily, or fetched and verified while CRIU reads it), run ``prepare`` (the job's world made ready for
+    it), then let the waiting ``launcher`` restore it; returns once the job runs.
+
+    ``copy_of``, ``net_namespace``: as :class:`RestoreSpec` has them (a start from a template).
+    """
+    progress(f"fetching checkpoint {checkpoint_id} ({size_bytes / 2**20:.0f} MiB), verifying")
+    source = ctx.store.restore_source(checkpoint_id, lazy=lazy, stream=ctx.settings.stream_restore)
+    pages: PageStream | None = None
+    try:
+        check: Check | None = None
+        if source == RestoreSource.LAZY_SERVED:
+            # from the cold tier, memory comes in page by page (each chunk verified as it is fetched)
+            ctx.store.prepare_lazy(checkpoint_id, image_dir)
+        elif source == RestoreSource.LAZY_LOCAL:
+            # an image in RAM is verified whole first, then CRIU's own daemon serves it
+            ctx.store.get(checkpoint_id, image_dir)
+        elif source == RestoreSource.COLD_STREAMED:
+            pages = ctx.store.stream_pages(checkpoint_id, image_dir)
+        else:  # HOT_LINKED, COLD_WHOLE: all but the pages verified now, those while CRIU reads them
+            check = ctx.store.fetch(checkpoint_id, image_dir)
+        prepare()
+        spec = RestoreSpec(
+            image_dir=str(image_dir),
+            checkpoint_id=checkpoint_id,
+            lazy=lazy,
+            served=source == RestoreSource.LAZY_SERVED,
+            stream=pages is not None,
+            copy_of=copy_of,
+            net_namespace=net_namespace,
+        )
+        if pages is not None:
+            progress("restoring with criu; memory streams in from the store, each chunk verified first")
+            release_streamed(launcher, spec, image_dir, pages)
+        elif check is None:
+            progress("restoring with criu")
+            launcher.release(spec)
+        else:
+            progress("restoring with criu; the job runs once its memory pages are verified")
+            release_gated(ctx, launcher, spec, image_dir, check)
+    finally:
+        if pages is not None:
+            pages.close()

@@ -30,14 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters.system import ownprocess, private, procfs
-from torpor.core import control
+from torpor.core import control, readiness
 from torpor.core.checkpoint import checkpoint_in_launcher
 from torpor.core.context import Context, Progress
 from torpor.core.launcher import protocol
 from torpor.core.launcher.protocol import LauncherEnds, LaunchMode, LaunchSpec, RestoreSpec, Started
 from torpor.core.recordtypes import JobState
 from torpor.core.restore import restore_into_launcher
+from torpor.core.templates import Templates, listened, program_stamps
 from torpor.errors import JobExited, JobNotFound, JobStartFailed, TorporError
+from torpor.policy.ready import Outcome, parse_ready_when
 
 
 class Launcher:
@@ -58,6 +60,7 @@ class Launcher:
         self.pid: int | None = None
         self.server: socketserver.ThreadingUnixStreamServer | None = None
         self.finished = threading.Event()  # the job's end is on record
+        self.log_start = 0
 
     # -- starting -----------------------------------------------------------------------------------
 
@@ -65,6 +68,7 @@ class Launcher:
         """Fork the job as PID 1 of a new PID namespace, in a new IPC namespace; returns its pid (our child,
         via subreaping)."""
         log_fd = private.open_private(Path(self.job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self.log_start = os.fstat(log_fd).st_size  # what the job writes comes after: --ready-when log:
         pid_r, pid_w = os.pipe()
         exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
         middle = os.fork()
@@ -136,6 +140,8 @@ class Launcher:
             lazy=spec.lazy,
             served=spec.served,
             stream=spec.stream,
+            copy_of=spec.copy_of,
+            net_namespace=spec.net_namespace,
             gate=self.ctx.restore_gate(Path(spec.gate), spec.gate_pid)
             if spec.gate and spec.gate_pid
             else None,
@@ -177,6 +183,8 @@ class Launcher:
         )
         waiter = threading.Thread(target=self._wait_for_job, name="waiter", daemon=True)
         waiter.start()
+        if self.spec.mode == LaunchMode.START and self.spec.warm and self.spec.ready_when:
+            threading.Thread(target=self._save_when_ready, name="warm-start", daemon=True).start()
         protocol.report_started(ready_fd, Started(pid, os.getpid()))
         try:
             self.server.serve_forever(poll_interval=0.2)
@@ -231,6 +239,42 @@ class Launcher:
         self.ctx.records.set_fields(self.job.name, pid=None, exit_code=code, message=message, ended_at=now)
         self.ctx.records.transition(self.job.name, set(JobState), state)
 
+    def _save_when_ready(self) -> None:
+        """``--warm-start``: once the job is ready, checkpoint it (it runs on) as its template."""
+        assert self.spec.warm and self.spec.ready_when and self.pid
+        ready_when = parse_ready_when(self.spec.ready_when)
+        records = self.ctx.records
+        verdict = readiness.watch(
+            ready_when, self.pid, Path(self.job.log_path), self.log_start, stop=self.finished
+        )
+        if verdict.outcome != Outcome.READY:
+            records.add_event(self.job.name, "warm-start", f"no template saved: {verdict.reason}")
+            return
+        try:
+            with self.lock:
+                job = records.job(self.job.name)
+                if self.pid is None or job.state != JobState.RUNNING or self.finished.is_set():
+                    return
+                pids = procfs.namespace_members(self.pid)
+                files, listens = program_stamps(job, pids), listened(pids)
+                reply = checkpoint_in_launcher(self.ctx, job.name, self.pid, False, self, _log_progress)
+                template, old = Templates(records).adopt(
+                    self.spec.warm, reply.checkpoint, job, files, listens, str(ready_when), replace=True
+                )
+            if old is not None and old != template.checkpoint:
+                self.ctx.store.delete(old)
+        except TorporError as exc:
+            records.add_event(self.job.name, "warm-start", f"no template saved: {exc.message}")
+            return
+        records.add_event(
+            self.job.name,
+            "warm-start",
+            f"saved template {template.name}: {verdict.reason}",
+            checkpoint=template.checkpoint,
+            freeze_s=template.freeze_s,
+            size_bytes=template.size_bytes,
+        )
+
     # -- requests ------------------------------------------------------------------------------------
 
     def handle(self, request: control.Request, progress: Progress) -> control.Reply:
@@ -262,6 +306,10 @@ class Launcher:
         """A failed hibernation restored the job from its staging image: supervise the new tree."""
         self.pid = pid
         self.ctx.records.set_fields(self.job.name, pid=pid, pid_ticks=procfs.start_ticks(pid))
+
+
+def _log_progress(text: str) -> None:
+    print(f"warm start: {text}", flush=True)
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
