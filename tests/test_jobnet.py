@@ -1,5 +1,8 @@
 """Job networks (torpor.adapters.jobnet) on the real machine: the bridge, a job's namespace and veth pair,
-removing them, listing them, job names of every shape.
+removing them, listing them, job names of every shape; and real CRIU restoring a server into a job network
+(``--join-ns``) and checkpointing it there again with the namespace external to the image
+(``--external net[INODE]:KEY``, restored with ``--inherit-fd fd[N]:KEY``), into the same namespace or
+another one.
 
 Each test makes its own bridge (``torpt<hex>``), namespace prefix and a free 10.213.X.0/24, and sends
 traffic only between this host and namespaces it made; everything is removed at the end, failed or not.
@@ -26,10 +29,14 @@ from pathlib import Path
 import pytest
 
 from conftest import JOBS, free_port
-from torpor.adapters import jobnet
+from torpor.adapters import jobnet, netlock
 from torpor.errors import EnvironmentProblem, UsageError
 from torpor.policy import addresses
 
+CRIU = Path(sys.executable).parent / "criu"
+#: the name a dump gives the job's namespace, external to the image; each restore gives it a namespace
+#: under the same name, so one image restores into any job network
+KEY = "jobnet"
 SBIN = os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin:/sbin"
 
 pytestmark = [
@@ -311,3 +318,153 @@ def test_a_step_that_fails_leaves_nothing_and_the_error_is_ip_s_own_line(bridge:
     assert jobnet.job_networks(bridge) == [made]  # the refusal touched nothing of the first
     with pytest.raises(ValueError):
         jobnet.create(bridge, "bridge-address", bridge.address.ip)
+
+
+# CRIU and job networks
+
+
+def criu(images: Path, *args: str, log: str, pass_fds: tuple[int, ...] = (), check: bool = True) -> str:
+    """Run CRIU (``-D images -o log -v4``); the log."""
+    done = subprocess.run(
+        [str(CRIU), *args, "-D", str(images), "-o", log, "-v4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        pass_fds=pass_fds,
+        check=False,
+    )
+    text = (images / log).read_text(errors="replace")
+    if check:
+        assert done.returncode == 0, "\n".join(line for line in text.splitlines() if "Error" in line)
+    return text
+
+
+DUMP = ("dump", "--tcp-established", "--file-locks", "--network-lock", "nftables")
+RESTORE = ("restore", "-d", "--tcp-close", "--file-locks")
+
+
+def lock_tables_in(network: jobnet.JobNetwork) -> list[str]:
+    listed = subprocess.run(
+        ["nsenter", f"--net={network.path}", "nft", "list", "tables"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": SBIN},
+    )
+    return [line for line in listed.stdout.splitlines() if "CRIU-" in line]
+
+
+@pytest.fixture
+def template(processes: Processes, tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A server saved in this host's network (as ``torpor run --from-template`` finds it): its images, its
+    port; it answered once before it was saved."""
+    port = free_port()
+    pid = processes.server(port, tmp_path / "template.log")
+    assert ask("127.0.0.1", port)[0] == 1
+    images = tmp_path / "template"
+    images.mkdir()
+    try:
+        criu(images, *DUMP, "-t", str(pid), log="dump.log")
+        yield images, port
+    finally:
+        if (run := netlock.run_id(images / "dump.log")) is not None:
+            netlock.release(run)  # a restore that never came leaves the lock in this host's network
+
+
+@pytest.mark.criu
+def test_a_server_saved_in_the_host_s_network_is_restored_into_a_job_network(
+    bridge: jobnet.Bridge, processes: Processes, template: tuple[Path, int], tmp_path: Path
+) -> None:
+    images, port = template
+    clone = jobnet.create(bridge, "clone", bridge.subnet.network_address + 2)
+    pidfile = tmp_path / "clone.pid"
+    criu(images, *RESTORE, "--pidfile", str(pidfile), "--join-ns", f"net:{clone.path}", log="restore.log")
+    pid = processes.restored(pidfile)
+    assert os.readlink(f"/proc/{pid}/ns/net") == net(jobnet.netns_inode(clone.netns))
+    assert ask(clone.address or "", port) == (2, net(jobnet.netns_inode(clone.netns)))
+    with pytest.raises(ConnectionRefusedError):
+        ask("127.0.0.1", port, wait_s=0)  # not in this host's network any more
+    run = netlock.run_id(images / "dump.log")
+    assert run is not None and netlock.lock_tables(run) == []  # the restore released the lock of the dump
+
+
+@pytest.mark.criu
+def test_a_server_in_a_job_network_is_checkpointed_with_that_network_external_and_restored_into_any(
+    bridge: jobnet.Bridge, processes: Processes, template: tuple[Path, int], tmp_path: Path
+) -> None:
+    images, port = template
+    first = jobnet.create(bridge, "first", bridge.subnet.network_address + 2)
+    second = jobnet.create(bridge, "second", bridge.subnet.network_address + 3)
+    inode = jobnet.netns_inode(first.netns)
+    pidfile = tmp_path / "first.pid"
+    criu(images, *RESTORE, "--pidfile", str(pidfile), "--join-ns", f"net:{first.path}", log="restore.log")
+    pid = processes.restored(pidfile)
+    assert ask(first.address or "", port) == (2, net(inode))
+
+    # a checkpoint that leaves it running, its namespace not in the image
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    external = ("--external", f"net[{inode}]:{KEY}")
+    log = criu(saved, *DUMP, "-t", str(pid), "--leave-running", *external, log="dump.log")
+    assert f"The net[{inode}] netns is external" in log
+    assert not list(saved.glob("netdev-*.img"))  # without --external CRIU saves the veth and addresses too
+    assert ask(first.address or "", port) == (3, net(inode))
+
+    # --join-ns does not stand for the external namespace: its key must be given an fd
+    failed = criu(
+        saved,
+        *RESTORE,
+        "--pidfile",
+        str(tmp_path / "no.pid"),
+        "--join-ns",
+        f"net:{second.path}",
+        log="no.log",
+        check=False,
+    )
+    assert f"Unable to find an external netns: {KEY}" in failed
+
+    # restored into another job network: a second clone, counting on from the checkpoint
+    fd = jobnet.open_netns(second.netns)
+    try:
+        criu(
+            saved,
+            *RESTORE,
+            "--pidfile",
+            str(tmp_path / "second.pid"),
+            "--inherit-fd",
+            f"fd[{fd}]:{KEY}",
+            log="restore-second.log",
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
+    processes.restored(tmp_path / "second.pid")
+    assert ask(second.address or "", port) == (3, net(jobnet.netns_inode(second.netns)))
+    assert ask(first.address or "", port) == (4, net(inode))
+
+    # hibernated (not left running) and resumed in its own network
+    hibernated = tmp_path / "hibernated"
+    hibernated.mkdir()
+    criu(hibernated, *DUMP, "-t", str(pid), *external, log="dump.log")
+    has_nft = shutil.which("nft", path=SBIN) is not None
+    if has_nft:  # the network lock lives in the job's namespace, where its sockets are
+        assert len(lock_tables_in(first)) == 1
+    fd = jobnet.open_netns(first.netns)
+    try:
+        criu(
+            hibernated,
+            *RESTORE,
+            "--pidfile",
+            str(tmp_path / "resumed.pid"),
+            "--inherit-fd",
+            f"fd[{fd}]:{KEY}",
+            log="restore.log",
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
+    resumed = processes.restored(tmp_path / "resumed.pid")
+    assert os.readlink(f"/proc/{resumed}/ns/net") == net(inode)
+    assert ask(first.address or "", port) == (5, net(inode))
+    if has_nft:
+        assert lock_tables_in(first) == []  # the restore released it there
