@@ -72,6 +72,9 @@ class Settings:
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
     job_umask: int | None = None
+    #: the bridge and subnet of the jobs that have a network of their own (``--own-network``)
+    net_bridge: str = "torpor0"
+    net_subnet: str = "10.213.0.0/24"
 
     @property
     def db_path(self) -> Path:
@@ -163,6 +166,8 @@ class Settings:
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
             stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
+            net_bridge=env.get("TORPOR_BRIDGE") or "torpor0",
+            net_subnet=env.get("TORPOR_SUBNET") or "10.213.0.0/24",
         )
 
 

@@ -72,12 +72,14 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     # read here, not asked of the agent, so that ps says the same embedded (queued jobs: torpor queue)
     submissions = engine.records.submissions()
     cares = engine.records.cares()
+    origins = templates.origins(engine)
     if args.json:
         emit_json(
             [
                 {
                     **_status_dict(s),
                     **scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records),
+                    **templates.origin_fields(origins.get(s.job.name)),
                 }
                 for s in statuses
             ]
@@ -103,6 +105,10 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
             ]
         )
     headers = ["NAME", "STATE", "PID", "MEMORY", "REQUEST", "AGE", "LAST CHECKPOINT"]
+    if any(origin.address for origin in origins.values()):  # jobs with a network of their own
+        headers.append("ADDRESS")
+        for row, status in zip(rows, statuses, strict=True):
+            row.append(origins[status.job.name].address or "-" if status.job.name in origins else "-")
     print(table(headers, rows) if rows else "no jobs")
     # why a job failed is worth a line of its own (an exit code says it for exited jobs), and why the
     # scheduler hibernated one

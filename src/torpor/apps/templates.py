@@ -19,7 +19,7 @@ from torpor.apps.render import emit_json, human_age, human_bytes, progress, tabl
 from torpor.core.cloning import Cloner, Started
 from torpor.core.engine import Engine
 from torpor.core.readiness import read_ready_when
-from torpor.core.recordtypes import LIVE_STATES, Job, Template
+from torpor.core.recordtypes import LIVE_STATES, Job, JobName, Origin, Template
 from torpor.core.templates import Templates
 from torpor.errors import UsageError
 from torpor.policy.warmstart import warm_template_name
@@ -59,7 +59,10 @@ def run_with_template(engine: Engine, args: argparse.Namespace, command: list[st
         template = cloner.templates.get(args.from_template)
         why = cloner.stale(template)
         if why is None:
-            return _from(cloner.start(template, args.name, lazy=args.lazy, progress=say))
+            started = cloner.start(
+                template, args.name, lazy=args.lazy, own_network=args.own_network, progress=say
+            )
+            return _from(started)
         job = engine.run(
             args.name, template.command, template.cwd, warm=_resave(template), ready_when=template.ready_when
         )
@@ -78,7 +81,13 @@ def run_with_template(engine: Engine, args: argparse.Namespace, command: list[st
         why = cloner.stale(saved)
         if why is None:
             started = cloner.start(
-                saved, args.name, lazy=args.lazy, warm=name, ready_when=ready_when, progress=say
+                saved,
+                args.name,
+                lazy=args.lazy,
+                warm=name,
+                ready_when=ready_when,
+                own_network=args.own_network,
+                progress=say,
             )
             return _from(started)
         reason = f"cold: its warm-start template is stale ({why}); a new one is saved once it is ready"
@@ -86,6 +95,19 @@ def run_with_template(engine: Engine, args: argparse.Namespace, command: list[st
         reason = f"cold: its warm-start template '{name}' is saved once it is ready ({ready_when})"
     job = engine.run(args.name, command, cwd, warm=name, ready_when=ready_when)
     return job, reason
+
+
+def origins(engine: Engine) -> dict[JobName, Origin]:
+    return Templates(engine.records).origins()
+
+
+def origin_fields(origin: Origin | None) -> dict[str, Any]:
+    """What ``torpor ps --json`` says of a job's origin: its template, warm start and address."""
+    return {
+        "template": origin.template if origin else None,
+        "warm_start": origin.warm if origin else None,
+        "address": origin.address if origin else None,
+    }
 
 
 def _from(started: Started) -> tuple[Job, str]:
@@ -114,6 +136,7 @@ def template_dict(template: Template, users: Sequence[str]) -> dict[str, Any]:
         "listens": [list(address) for address in template.listens],
         "files": len(template.files),
         "ready_when": template.ready_when,
+        "own_network": template.own_network,
         "jobs": users,
     }
 

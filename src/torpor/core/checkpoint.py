@@ -34,7 +34,7 @@ from torpor.adapters.criuimage import DumpStats
 from torpor.adapters.criulog import log_excerpt
 from torpor.adapters.imagestreamer import ImageCapture
 from torpor.adapters.system import ownprocess, procfs, sockets
-from torpor.core import rewind
+from torpor.core import jobnetworks, rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
 from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
@@ -107,7 +107,7 @@ def checkpoint_in_launcher(
                 staging,
                 ctx.criu_log(name, "dump", checkpoint_id),
                 leave_running=not hibernate,
-                extra=ctx.settings.criu_extra,
+                extra=ctx.settings.criu_extra + jobnetworks.dump_options(pid),
                 external_unix=sockets.unix_socket_inodes(pids) if ext_unix_sk else (),
                 # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
                 # fails the dump, which is tried again with it (policy.retry)

@@ -26,6 +26,7 @@ from torpor.adapters.criuimage import tcp_listeners
 from torpor.adapters.system import private, procfs, sockets
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine
+from torpor.core.jobnetworks import Networks
 from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher
 from torpor.core.launcher.release import fetch_and_release
 from torpor.core.launcher.spawn import start_launcher
@@ -87,14 +88,13 @@ class Cloner:
         lazy: bool = False,
         warm: str | None = None,
         ready_when: str | None = None,
-        address: str | None = None,
-        net_namespace: str | None = None,
+        own_network: bool = False,
         progress: Progress = quiet,
     ) -> Started:
         """Start a new job from ``template``; returns once it runs (with ``lazy``, its memory may still be
         coming in: :meth:`Engine.wait_lazy`). ``warm``, ``ready_when``: it is a ``--warm-start`` of that
-        template (noted in its origin); ``net_namespace``: the network namespace it joins, where it has
-        ``address``.
+        template (noted in its origin); ``own_network``: it gets a network namespace of its own, with an
+        address on torpor's bridge (:class:`~torpor.core.jobnetworks.Networks`).
 
         The caller has checked :meth:`stale`. A failure raises :class:`RestoreFailed` and leaves no job.
         """
@@ -111,10 +111,17 @@ class Cloner:
         records.create_job(job_name, template.command, template.cwd, str(job_dir / "output.log"))
         # while restoring, the launcher pid on record is this process: if it dies, `ps` marks the job failed
         records.transition(job_name, {JobState.STARTING}, JobState.RESTORING, launcher_pid=os.getpid())
-        self.templates.set_origin(Origin(job_name, template.name, warm, ready_when, address))
         image_dir = self.ctx.store.restore_dir(template.checkpoint)
         launcher: PendingLauncher | None = None
+        networks = Networks(engine.settings) if own_network else None
+        net_namespace: str | None = None
         try:
+            address = None
+            if networks is not None:
+                path, made = networks.create(job_name)
+                net_namespace, address = str(path), str(made)
+                progress(f"its own network: {address} on bridge {networks.bridge.name}")
+            self.templates.set_origin(Origin(job_name, template.name, warm, ready_when, address))
             launcher = start_launcher(
                 LaunchSpec(engine.settings.to_dict(), job_name, LaunchMode.RESTORE), job_dir / "launcher.log"
             )
@@ -137,10 +144,13 @@ class Cloner:
                 lazy=lazy,
                 copy_of=template.log_path,
                 net_namespace=net_namespace,
+                net_external=template.own_network,
             )
         except TorporError as exc:
             if launcher is not None:
                 launcher.abort()
+            if networks is not None:
+                networks.remove(job_name)
             shutil.rmtree(image_dir, ignore_errors=True)
             records.delete_job(job_name)
             shutil.rmtree(job_dir, ignore_errors=True)

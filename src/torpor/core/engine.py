@@ -25,6 +25,7 @@ from torpor.adapters.system import private, procfs
 from torpor.core import control
 from torpor.core.checkpoint import apply_retention
 from torpor.core.context import Context, Progress, quiet
+from torpor.core.jobnetworks import Networks
 from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher
 from torpor.core.launcher.release import fetch_and_release
 from torpor.core.launcher.spawn import start_launcher
@@ -51,6 +52,7 @@ from torpor.core.store import (
     open_cold_tier,
 )
 from torpor.core.store import config as store_config
+from torpor.core.templates import Templates
 from torpor.errors import (
     CheckpointNotFound,
     JobNotFound,
@@ -404,6 +406,13 @@ class Engine:
                 raise RestoreFailed(
                     f"the previous processes of '{name}' (pid {previous.pid}) are still running"
                 )
+            # a job with a network of its own comes back into it (made again after a reboot)
+            origin = Templates(self.records).origin(job.name)
+            net = (
+                Networks(self.settings).ensure(job.name, origin.address)
+                if origin and origin.address
+                else None
+            )
             fetch_and_release(
                 self.ctx,
                 launcher,
@@ -413,6 +422,8 @@ class Engine:
                 progress,
                 prepare,
                 lazy=lazy,
+                net_namespace=None if net is None else str(net),
+                net_external=net is not None,
             )
         except TorporError as exc:
             if launcher is not None:
@@ -534,6 +545,9 @@ class Engine:
         hibernation = self.records.latest_checkpoint(job.name)
         if job.state == JobState.HIBERNATED and hibernation is not None:
             self._release_network_lock(job.name, hibernation.id, quiet)
+        origin = Templates(self.records).origin(job.name)
+        if origin is not None and origin.address is not None:
+            Networks(self.settings).remove(job.name)
         removed: list[CheckpointId] = []
         for checkpoint in self.records.checkpoints(job.name):
             self.ctx.store.delete(checkpoint.id)

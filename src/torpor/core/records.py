@@ -117,7 +117,9 @@ CREATE TABLE IF NOT EXISTS templates (
     files TEXT NOT NULL,
     -- [host, port] of each TCP address it listened on
     listens TEXT NOT NULL,
-    ready_when TEXT
+    ready_when TEXT,
+    -- its job had a network of its own: its image names the namespace as external (core/jobnetworks.py)
+    own_network INTEGER NOT NULL DEFAULT 0
 );
 -- where a job started from a template or with --warm-start comes from, and its own network if it has one
 CREATE TABLE IF NOT EXISTS origins (

@@ -196,6 +196,8 @@ class Template:
     listens: tuple[tuple[str, int], ...]
     #: saved by ``--warm-start`` once ready by this rule (None: by hand)
     ready_when: str | None = None
+    #: its job had a network of its own, which its image names as external (core/jobnetworks.py)
+    own_network: bool = False
 
 
 @dataclass(frozen=True)

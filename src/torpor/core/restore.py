@@ -25,6 +25,7 @@ from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
 from torpor.adapters.system import ownprocess, private, procfs
 from torpor.core.context import Context, Progress, quiet
+from torpor.core.jobnetworks import NET_KEY
 from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
@@ -45,6 +46,7 @@ def restore_into_launcher(
     stream: bool = False,
     copy_of: str | None = None,
     net_namespace: str | None = None,
+    net_external: bool = False,
 ) -> int:
     """Run ``criu restore`` from ``image_dir`` (the launcher becomes the tree's parent); return its pid.
 
@@ -55,7 +57,9 @@ def restore_into_launcher(
     reads every file from the image streamer the caller runs on ``image_dir`` (``criu restore --stream``).
     ``copy_of``: the image is a template's, whose job wrote to the log ``copy_of``: this job is a new
     copy, which writes to its own log and leaves the original's TCP connections alone.
-    ``net_namespace``: the tree joins that network namespace (its own network, ``--own-network``).
+    ``net_namespace``: the tree joins that network namespace (its own network, ``--own-network``);
+    ``net_external``: the image was dumped in a job network, named external to it
+    (:mod:`torpor.core.jobnetworks`): it is handed ``net_namespace``, or the machine's own when None.
 
     Once the tree runs, each of its processes that handles ``SIGCONT`` gets one: :data:`RESTORED_SIGNAL`.
     """
@@ -98,7 +102,10 @@ def restore_into_launcher(
             else:
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
         # the CPUs kept quick to wake while CRIU restores (ownprocess.cpu_wakeups_held)
-        with ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups), _own_log(job, copy_of) as files:
+        with (
+            ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups),
+            _handed_over(job, copy_of, net_namespace if net_external else None, net_external) as files,
+        ):
             pid = ctx.criu.restore(
                 image_dir,
                 ctx.criu_log(job.name, "restore", checkpoint_id),
@@ -109,7 +116,7 @@ def restore_into_launcher(
                 stream=stream,
                 files=files,
                 fresh_copy=copy_of is not None,
-                net_namespace=net_namespace,
+                net_namespace=None if net_external else net_namespace,
             )
         root.append(pid)
         restored.set()
@@ -162,16 +169,23 @@ def tell_restored(pids: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def _own_log(job: Job, copy_of: str | None) -> Iterator[dict[str, int]]:
-    """For a copy of a template's job: this job's log, open to be handed to CRIU in place of ``copy_of``."""
-    if copy_of is None:
-        yield {}
-        return
-    fd = private.open_private(Path(job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+def _handed_over(
+    job: Job, copy_of: str | None, net_namespace: str | None, net_external: bool
+) -> Iterator[dict[str, int]]:
+    """The descriptors CRIU restores in place of what the image names (``--inherit-fd``): for a copy of a
+    template's job, this job's log in place of ``copy_of``; for an image dumped in a job network, the
+    network namespace ``net_namespace`` (the machine's own when None)."""
+    handed: dict[str, int] = {}
     try:
-        yield {log_key(copy_of): fd}
+        if copy_of is not None:
+            log = private.open_private(Path(job.log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            handed[log_key(copy_of)] = log
+        if net_external:
+            handed[NET_KEY] = os.open(net_namespace or "/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        yield handed
     finally:
-        os.close(fd)
+        for fd in handed.values():
+            os.close(fd)
 
 
 def log_key(log_path: str) -> str:

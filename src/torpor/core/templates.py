@@ -105,6 +105,7 @@ class Templates:
             files=files,
             listens=listens,
             ready_when=ready_when,
+            own_network=(origin := self.origin(job.name)) is not None and origin.address is not None,
         )
         with self.records.transaction() as db:
             old = db.execute("SELECT checkpoint FROM templates WHERE name=?", (name,)).fetchone()
@@ -114,8 +115,8 @@ class Templates:
             db.execute("DELETE FROM checkpoints WHERE id=?", (checkpoint.id,))
             db.execute(
                 "INSERT INTO templates(name, checkpoint, source_job, created_at, size_bytes, freeze_s,"
-                " criu_version, command, cwd, log_path, files, listens, ready_when)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " criu_version, command, cwd, log_path, files, listens, ready_when, own_network)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     name,
                     checkpoint.id,
@@ -130,6 +131,7 @@ class Templates:
                     json.dumps([f.to_list() for f in files]),
                     json.dumps([list(address) for address in listens]),
                     ready_when,
+                    int(template.own_network),
                 ),
             )
         return template, None if old is None else CheckpointId(old["checkpoint"])
@@ -209,6 +211,7 @@ def _template(row: sqlite3.Row) -> Template:
         files=tuple(FileStamp.from_list(raw) for raw in json.loads(row["files"])),
         listens=tuple((str(host), int(port)) for host, port in json.loads(row["listens"])),
         ready_when=row["ready_when"],
+        own_network=bool(row["own_network"]),
     )
 
 

@@ -58,6 +58,15 @@ def own_pid_namespace() -> str:
     return os.readlink("/proc/self/ns/pid")
 
 
+def net_namespace_inode(pid: int | str) -> int | None:
+    """The inode of ``pid``'s network namespace (``net:[INODE]``; ``"self"``: the caller's); None if there
+    is no such process."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
 def in_own_pid_namespace() -> bool:
     """Whether the calling process runs in a PID namespace below the one ``/proc`` shows (a job's): its
     pid there is not its pid here."""

@@ -96,6 +96,9 @@ class RestoreSpec:
     copy_of: str | None = None
     #: the network namespace (a path) the restored tree joins: the job's own network
     net_namespace: str | None = None
+    #: the image names its network namespace as external (it was dumped in a job network): it is handed
+    #: ``net_namespace`` (the machine's own when None) as a descriptor
+    net_external: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -91,12 +91,13 @@ def fetch_and_release(
     lazy: bool = False,
     copy_of: str | None = None,
     net_namespace: str | None = None,
+    net_external: bool = False,
 ) -> None:
     """Bring checkpoint ``checkpoint_id``'s image into ``image_dir`` the way the store says (streamed,
     lazily, or fetched and verified while CRIU reads it), run ``prepare`` (the job's world made ready for
     it), then let the waiting ``launcher`` restore it; returns once the job runs.
 
-    ``copy_of``, ``net_namespace``: as :class:`RestoreSpec` has them (a start from a template).
+    ``copy_of``, ``net_namespace``, ``net_external``: as :class:`RestoreSpec` has them.
     """
     progress(f"fetching checkpoint {checkpoint_id} ({size_bytes / 2**20:.0f} MiB), verifying")
     source = ctx.store.restore_source(checkpoint_id, lazy=lazy, stream=ctx.settings.stream_restore)
@@ -122,6 +123,7 @@ def fetch_and_release(
             stream=pages is not None,
             copy_of=copy_of,
             net_namespace=net_namespace,
+            net_external=net_external,
         )
         if pages is not None:
             progress("restoring with criu; memory streams in from the store, each chunk verified first")

@@ -142,6 +142,7 @@ class Launcher:
             stream=spec.stream,
             copy_of=spec.copy_of,
             net_namespace=spec.net_namespace,
+            net_external=spec.net_external,
             gate=self.ctx.restore_gate(Path(spec.gate), spec.gate_pid)
             if spec.gate and spec.gate_pid
             else None,
