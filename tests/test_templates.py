@@ -191,3 +191,21 @@ def test_a_template_of_a_job_that_does_not_run_is_refused(torpor: Torpor, tmp_pa
     torpor.wait_state("quick", "exited")
     out = torpor.run("template", "save", "t", "quick", check=False)
     assert out.returncode == 2 and "not running" in out.stderr
+
+
+def test_a_copy_without_checkpoints_of_its_own_resumes_from_its_template(torpor: Torpor) -> None:
+    port = free_port()
+    start_example(torpor, "web", port)
+    torpor.run("template", "save", "ready", "web")
+    torpor.run("rm", "--force", "web")
+    torpor.run("run", "--from-template", "ready", "--name", "copy")
+    torpor.wait_log("copy", "restored as job copy")
+    torpor.run("stop", "copy")
+    assert torpor.json("checkpoints", "copy") == []
+    out = torpor.run("resume", "copy").stdout
+    assert f"restored copy from {torpor.json('template', 'ls')[0]['checkpoint']}" in out
+    torpor.wait_for(lambda: torpor.log("copy").count("restored as job copy") == 2, what="the second start")
+    assert get(port)["job"] == "copy"
+    # once it has a checkpoint of its own, that is what it resumes from
+    own = torpor.json("hibernate", "copy")
+    assert torpor.json("resume", "copy")["checkpoint"] == own["id"]

@@ -20,10 +20,8 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from torpor.adapters.criuimage import tcp_listeners
-from torpor.adapters.system import private, procfs, sockets
+from torpor.adapters.system import private, procfs
 from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine
 from torpor.core.jobnetworks import Networks
@@ -33,7 +31,14 @@ from torpor.core.launcher.spawn import start_launcher
 from torpor.core.naming import check_name, free_name
 from torpor.core.recordtypes import Job, JobState, Origin, Template
 from torpor.core.restore import recreate_socket_folders
-from torpor.core.templates import Templates, check_template_name, listened, program_stamps, stamps_now
+from torpor.core.templates import (
+    Templates,
+    check_template_name,
+    listened,
+    program_stamps,
+    refuse_taken_ports,
+    stamps_now,
+)
 from torpor.errors import TorporError, UsageError, WrongState
 from torpor.policy.warmstart import stale_reasons, stale_summary
 
@@ -161,26 +166,6 @@ class Cloner:
                 details=exc.details,
             ) from exc
         return Started(records.job(job_name), template, time.monotonic() - started)
-
-
-def refuse_taken_ports(image_dir: Path, template: Template) -> None:
-    """Refuse a copy whose server would listen on a port that something here listens on already.
-
-    CRIU would bind it all the same (it restores sockets with the kernel's forced reuse), and the copy
-    would listen without ever being connected to. A socket the program made with SO_REUSEPORT shares its
-    port with the others that did, as the program asked: that one is let through.
-    """
-    for listener in tcp_listeners(image_dir):
-        if listener.reuseport:
-            continue
-        holders = sockets.port_listeners(listener.port)
-        if holders:
-            holder = holders[0]
-            raise UsageError(
-                f"port {listener.port}, which it listens on, is taken here by process {holder.pid} "
-                f"({holder.name}): start the copy with --own-network to give it an address of "
-                "its own, or have the server set SO_REUSEPORT so that its copies share the port"
-            )
 
 
 def _why(exc: TorporError, template: Template, net_namespace: str | None) -> str:

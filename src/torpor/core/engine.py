@@ -52,7 +52,7 @@ from torpor.core.store import (
     open_cold_tier,
 )
 from torpor.core.store import config as store_config
-from torpor.core.templates import Templates
+from torpor.core.templates import Templates, refuse_taken_ports, restart_template
 from torpor.errors import (
     CheckpointNotFound,
     JobNotFound,
@@ -365,6 +365,10 @@ class Engine:
             if ref is not None
             else self.records.latest_checkpoint(job.name)
         )
+        # a job started from a template (or --warm-start) that has none of its own starts from that again
+        template = restart_template(self.records, job) if checkpoint is None and ref is None else None
+        if template is not None:
+            checkpoint = template.as_checkpoint(job.name)
         if checkpoint is None:
             raise CheckpointNotFound(
                 f"job '{name}' has no checkpoint to restore (make one with 'torpor checkpoint')"
@@ -393,10 +397,14 @@ class Engine:
         image_dir = self.ctx.store.restore_dir(checkpoint.id)
         launcher: PendingLauncher | None = None
         rewound: Rewound | None = None
+        net: Path | None = None
 
         def prepare() -> None:
             nonlocal rewound
-            rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
+            if template is None:
+                rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
+            elif net is None:  # the template's files are not this job's to rewind
+                refuse_taken_ports(image_dir, template)
 
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)
@@ -422,8 +430,9 @@ class Engine:
                 progress,
                 prepare,
                 lazy=lazy,
+                copy_of=None if template is None else template.log_path,
                 net_namespace=None if net is None else str(net),
-                net_external=net is not None,
+                net_external=net is not None if template is None else template.own_network,
             )
         except TorporError as exc:
             if launcher is not None:

@@ -199,6 +199,13 @@ class Template:
     #: its job had a network of its own, which its image names as external (core/jobnetworks.py)
     own_network: bool = False
 
+    def as_checkpoint(self, job: JobName) -> Checkpoint:
+        """The template's checkpoint as a restore of ``job`` from it names it (it is in no job's list)."""
+        return Checkpoint(
+            self.checkpoint, job, CheckpointKind.CHECKPOINT, self.created_at, self.freeze_s, 0.0,
+            self.size_bytes, self.criu_version, None,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Origin:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from pathlib import Path
 
+from torpor.adapters.criuimage import tcp_listeners
 from torpor.adapters.system import procfs, sockets
 from torpor.core.records import Records
 from torpor.core.recordtypes import Checkpoint, CheckpointId, Job, JobName, Origin, Template
-from torpor.errors import TemplateNotFound, UsageError
-from torpor.policy.warmstart import FileStamp
+from torpor.errors import CheckpointNotFound, TemplateNotFound, UsageError
+from torpor.policy.warmstart import FileStamp, stale_reasons, stale_summary
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -223,3 +225,40 @@ def _origin(row: sqlite3.Row) -> Origin:
         ready_when=row["ready_when"],
         address=row["address"],
     )
+
+
+def refuse_taken_ports(image_dir: Path, template: Template) -> None:
+    """Refuse a copy whose server would listen on a port that something here listens on already.
+
+    CRIU would bind it all the same (it restores sockets with the kernel's forced reuse), and the copy
+    would listen without ever being connected to. A socket the program made with SO_REUSEPORT shares its
+    port with the others that did, as the program asked: that one is let through.
+    """
+    for listener in tcp_listeners(image_dir):
+        if listener.reuseport:
+            continue
+        holders = sockets.port_listeners(listener.port)
+        if holders:
+            holder = holders[0]
+            raise UsageError(
+                f"port {listener.port}, which it listens on, is taken here by process {holder.pid} "
+                f"({holder.name}): start the copy with --own-network to give it an address of "
+                "its own, or have the server set SO_REUSEPORT so that its copies share the port"
+            )
+
+
+def restart_template(records: Records, job: Job) -> Template | None:
+    """The template job ``job`` restarts from when it has no checkpoint of its own: the one it was started
+    from, or its warm-start one; None when it has neither. A stale one is refused, saying why."""
+    origin = Templates(records).origin(job.name)
+    name = origin.warm or origin.template if origin is not None else None
+    template = Templates(records).find(name) if name else None
+    if template is None:
+        return None
+    why = stale_summary(stale_reasons(template.files, stamps_now(template)))
+    if why:
+        raise CheckpointNotFound(
+            f"job '{job.name}' has no checkpoint of its own, and its template '{template.name}' is stale "
+            f"({why}): 'torpor rm {job.name}' and start it again"
+        )
+    return template
