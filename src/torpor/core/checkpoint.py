@@ -62,6 +62,7 @@ def checkpoint_in_launcher(
     progress: Progress,
     *,
     ext_unix_sk: bool = False,
+    for_copies: bool = False,
 ) -> CheckpointReply:
     """Dump job ``name`` (root ``pid``) into the store; the launcher holds its operation lock.
 
@@ -69,6 +70,10 @@ def checkpoint_in_launcher(
     outside end (a restore gives them a closed one); otherwise such a socket fails the dump.
 
     An image the cold tier cannot take now stays in RAM only, and the reply's ``not_durable`` says why.
+
+    ``for_copies``: the image is a template's (copies start from it): connections still waiting to be
+    accepted are left out of it (``--skip-in-flight``) instead of failing the dump; they are the running
+    job's, and a readiness probe may just have made one.
     """
     if ctx.lazy_pages is not None and ctx.lazy_pages.poll() is None:
         # memory not yet copied in is absent from /proc/PID/pagemap: a dump now would silently lose it
@@ -107,7 +112,9 @@ def checkpoint_in_launcher(
                 staging,
                 ctx.criu_log(name, "dump", checkpoint_id),
                 leave_running=not hibernate,
-                extra=ctx.settings.criu_extra + jobnetworks.dump_options(pid),
+                extra=ctx.settings.criu_extra
+                + jobnetworks.dump_options(pid)
+                + (("--skip-in-flight",) if for_copies else ()),
                 external_unix=sockets.unix_socket_inodes(pids) if ext_unix_sk else (),
                 # no TCP socket: no network lock to hold (~0.4 s less frozen); one that appears meanwhile
                 # fails the dump, which is tried again with it (policy.retry)

@@ -70,7 +70,7 @@ class Cloner:
             raise WrongState(f"cannot save a template of job '{job_name}': it is {job.state}, not running")
         pids = procfs.namespace_members(job.pid)
         files, listens = program_stamps(job, pids), listened(pids)
-        checkpoint = self.engine.checkpoint(job.name, progress=progress, warn=warn)
+        checkpoint = self.engine.checkpoint(job.name, progress=progress, warn=warn, for_copies=True)
         template, _ = self.templates.adopt(name, checkpoint, job, files, listens)
         return template
 

@@ -35,6 +35,8 @@ class CheckpointRequest:
     hibernate: bool
     #: let the dump through unix sockets connected to processes outside the job (restored closed)
     ext_unix_sk: bool = False
+    #: the image is a template's (checkpoint.checkpoint_in_launcher's ``for_copies``)
+    for_copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,12 @@ Reply = StatusReply | CheckpointReply | WaitLazyReply
 
 def request_to_json(request: Request) -> dict[str, Any]:
     if isinstance(request, CheckpointRequest):
-        return {"op": "checkpoint", "hibernate": request.hibernate, "ext_unix_sk": request.ext_unix_sk}
+        return {
+            "op": "checkpoint",
+            "hibernate": request.hibernate,
+            "ext_unix_sk": request.ext_unix_sk,
+            "for_copies": request.for_copies,
+        }
     return {"op": "status" if isinstance(request, StatusRequest) else "wait_lazy"}
 
 
@@ -89,7 +96,9 @@ def parse_request(data: dict[str, Any]) -> Request:
         return StatusRequest()
     if op == "checkpoint":
         return CheckpointRequest(
-            hibernate=bool(data.get("hibernate")), ext_unix_sk=bool(data.get("ext_unix_sk"))
+            hibernate=bool(data.get("hibernate")),
+            ext_unix_sk=bool(data.get("ext_unix_sk")),
+            for_copies=bool(data.get("for_copies")),
         )
     if op == "wait_lazy":
         return WaitLazyRequest()
@@ -123,9 +132,14 @@ def status(sock_path: Path, timeout: float | None = None) -> StatusReply:
 
 
 def checkpoint(
-    sock_path: Path, hibernate: bool, on_progress: Progress | None = None, *, ext_unix_sk: bool = False
+    sock_path: Path,
+    hibernate: bool,
+    on_progress: Progress | None = None,
+    *,
+    ext_unix_sk: bool = False,
+    for_copies: bool = False,
 ) -> CheckpointReply:
-    reply = _call(sock_path, CheckpointRequest(hibernate, ext_unix_sk), on_progress)
+    reply = _call(sock_path, CheckpointRequest(hibernate, ext_unix_sk, for_copies), on_progress)
     return CheckpointReply(_checkpoint(reply["checkpoint"]), reply.get("not_durable"))
 
 

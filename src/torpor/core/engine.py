@@ -318,11 +318,13 @@ class Engine:
         progress: Progress = quiet,
         warn: Progress = quiet,
         ext_unix_sk: bool = False,
+        for_copies: bool = False,
     ) -> Checkpoint:
         """Checkpoint (or hibernate) a running job; ``warn`` is told if its image is only in RAM, and why.
 
         ``ext_unix_sk``: unix connections to processes outside the job do not fail the dump (see
-        docs/architecture.md, "Outside clients on a job's unix sockets")."""
+        docs/architecture.md, "Outside clients on a job's unix sockets"). ``for_copies``: a template's
+        (connections not yet accepted are left out of the image)."""
         job = self.reconcile(self.records.job(name))
         if job.state != JobState.RUNNING:
             verb = "hibernate" if hibernate else "checkpoint"
@@ -334,7 +336,11 @@ class Engine:
             raise WrongState(f"cannot {verb} job '{name}': it is {job.state}{hint}")
         self.ctx.criu.require()
         reply = control.checkpoint(
-            self.settings.socket_path(job.name), hibernate, on_progress=progress, ext_unix_sk=ext_unix_sk
+            self.settings.socket_path(job.name),
+            hibernate,
+            on_progress=progress,
+            ext_unix_sk=ext_unix_sk,
+            for_copies=for_copies,
         )
         if reply.not_durable:
             warn(f"checkpoint {reply.checkpoint.id} is only in RAM: {reply.not_durable}")

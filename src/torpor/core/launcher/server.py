@@ -258,7 +258,9 @@ class Launcher:
                     return
                 pids = procfs.namespace_members(self.pid)
                 files, listens = program_stamps(job, pids), listened(pids)
-                reply = checkpoint_in_launcher(self.ctx, job.name, self.pid, False, self, _log_progress)
+                reply = checkpoint_in_launcher(
+                    self.ctx, job.name, self.pid, False, self, _log_progress, for_copies=True
+                )
                 template, old = Templates(records).adopt(
                     self.spec.warm, reply.checkpoint, job, files, listens, str(ready_when), replace=True
                 )
@@ -293,6 +295,7 @@ class Launcher:
                     self,
                     progress,
                     ext_unix_sk=request.ext_unix_sk,
+                    for_copies=request.for_copies,
                 )
         # wait_lazy, after a lazy restore: until every page is in, the job can still meet a damaged chunk
         daemon = self.ctx.lazy_pages
