@@ -67,7 +67,10 @@ def test_copies_of_a_template_continue_its_memory_with_their_own_name_and_log(to
     # its log is its own: the template's lines are not in it, the copy's are
     log = torpor.log("copy1")
     assert "ready on" not in log and "restored as job copy1" in log
-    assert [t["jobs"] for t in torpor.json("template", "ls")] == [["copy1"]]
+    (listed,) = torpor.json("template", "ls")
+    assert listed["jobs"] == ["copy1"]
+    held = torpor.job("copy1")["rss_bytes"]
+    assert held > 1 << 20 and abs(listed["jobs_memory_bytes"] - held) < held / 5  # the copy's, read twice
 
     # a second copy after the first is gone: the same start again, under another name
     torpor.run("rm", "--force", "copy1")

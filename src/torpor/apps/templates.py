@@ -163,8 +163,10 @@ def cmd_template(engine: Engine, args: argparse.Namespace) -> int:
         return 0
     templates = Templates(engine.records)
     found = templates.all()
+    users = {t.name: templates.users(t.name) for t in found}
+    memory = {t.name: _memory_of(engine, users[t.name]) for t in found}
     if args.json:
-        emit_json([template_dict(t, templates.users(t.name)) for t in found])
+        emit_json([{**template_dict(t, users[t.name]), "jobs_memory_bytes": memory[t.name]} for t in found])
         return 0
     now = time.time()
     rows = [
@@ -175,14 +177,20 @@ def cmd_template(engine: Engine, args: argparse.Namespace) -> int:
             human_age(now - t.created_at) + " ago",
             ",".join(str(port) for _, port in t.listens) or "-",
             t.ready_when or "-",
-            str(len(templates.users(t.name))),
+            str(len(users[t.name])),
+            human_bytes(memory[t.name]) if users[t.name] else "-",
             " ".join(t.command)[:60],
         ]
         for t in found
     ]
-    headers = ["NAME", "FROM JOB", "SIZE", "SAVED", "PORTS", "READY WHEN", "JOBS", "COMMAND"]
+    headers = ["NAME", "FROM JOB", "SIZE", "SAVED", "PORTS", "READY WHEN", "JOBS", "JOBS' MEMORY", "COMMAND"]
     print(table(headers, rows) if rows else "no templates")
     return 0
+
+
+def _memory_of(engine: Engine, jobs: Sequence[str]) -> int:
+    """What the running ones of ``jobs`` hold in memory together (the sum of their PSS, as ``ps``)."""
+    return sum(engine.status(name).rss_bytes or 0 for name in jobs)
 
 
 def _warning(text: str) -> None:
