@@ -66,9 +66,8 @@ def serve(torpor: Torpor, name: str, port: int) -> None:
     torpor.wait_log(name, f"ready on {port}", timeout=COLD_START_S)
 
 
-def needs_templates(torpor: Torpor) -> None:
-    if "--from-template" not in torpor.run("run", "--help").stdout:
-        pytest.skip("awaits torpor template and torpor run --from-template / --warm-start")
+def templates(torpor: Torpor) -> dict[str, dict[str, Any]]:
+    return {template["name"]: template for template in torpor.json("template", "ls")}
 
 
 def test_the_model_server_serves_under_torpor_and_repeats_itself(torpor: Torpor) -> None:
@@ -84,26 +83,26 @@ def test_the_model_server_serves_under_torpor_and_repeats_itself(torpor: Torpor)
 
 
 def test_a_clone_from_a_template_answers_as_the_cold_server_did(torpor: Torpor) -> None:
-    needs_templates(torpor)
     port = free_port()
     serve(torpor, "source", port)
     cold = embeddings(port)
     torpor.run("template", "save", "minilm", "source")
-    assert "minilm" in {t["name"] for t in torpor.json("template", "ls")}
+    checkpoint = templates(torpor)["minilm"]["checkpoint"]
     # the clone listens where its source did: the source goes first
     torpor.run("rm", "--force", "source")
-    torpor.run("run", "--from-template", "minilm", "--name", "clone")
+    started = torpor.run("run", "--from-template", "minilm", "--name", "clone")
+    assert "from template 'minilm'" in started.stdout
     # the command returns once the restored job runs: it answers without waiting for a log line
     assert request(port, "GET", "/health") == (200, b"ok")
     assert embeddings(port) == cold
-    assert torpor.job("clone")["state"] == "running"
+    clone = torpor.job("clone")
+    assert (clone["state"], clone["restored_from"]) == ("running", checkpoint)
     torpor.run("rm", "--force", "clone")
     torpor.run("template", "rm", "minilm")
-    assert "minilm" not in {t["name"] for t in torpor.json("template", "ls")}
+    assert "minilm" not in templates(torpor)
 
 
 def test_a_second_warm_start_comes_from_the_template_the_first_saved(torpor: Torpor) -> None:
-    needs_templates(torpor)
     port = free_port()
     command = [
         "--warm-start",
@@ -112,14 +111,19 @@ def test_a_second_warm_start_comes_from_the_template_the_first_saved(torpor: Tor
         *python_job("embed_server.py", "--port", str(port)),
     ]
     first = torpor.run("run", "--name", "first", *command)
+    assert "cold" in first.stdout
     torpor.wait_log("first", f"ready on {port}", timeout=COLD_START_S)
-    torpor.wait_for(lambda: bool(torpor.json("template", "ls")), COLD_START_S, "the warm start's template")
+    torpor.wait_for(lambda: bool(templates(torpor)), COLD_START_S, "the warm start's template")
+    ((name, template),) = templates(torpor).items()
+    assert (template["source_job"], template["ready_when"]) == ("first", f"port:{port}")
+    assert torpor.job("first")["restored_from"] is None
     cold = embeddings(port)
     torpor.run("rm", "--force", "first")
     second = torpor.run("run", "--name", "second", *command)
-    assert "template" in second.stdout + second.stderr, (first.stdout, second.stdout, second.stderr)
+    assert f"from template '{name}'" in second.stdout
+    assert torpor.job("second")["restored_from"] == template["checkpoint"]
+    assert templates(torpor)[name]["jobs"] == ["second"]
     assert request(port, "GET", "/health") == (200, b"ok")
     assert embeddings(port) == cold
     torpor.run("rm", "--force", "second")
-    for template in torpor.json("template", "ls"):
-        torpor.run("template", "rm", template["name"])
+    torpor.run("template", "rm", name)
