@@ -56,6 +56,7 @@ bench: setup
 	$(BIN)/python scripts/bench_agent.py
 	$(BIN)/python scripts/bench_scheduler.py
 	$(BIN)/python scripts/bench_scheduler_runs.py
+	$(BIN)/python scripts/bench_warmstart.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
