@@ -46,18 +46,23 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
 from bench import machine, machine_table
 from benchdoc import DOC, median, say, write_section
 
+from torpor.adapters import jobnet
 from torpor.adapters.criu import Criu
 from torpor.core.engine import Engine
 from torpor.core.store.hot import HotTier
 from torpor.settings import Settings, find_criu
 
 TORPOR = str(Path(sys.executable).parent / "torpor")
+#: the bridge and subnet of the clones' own networks: traffic goes only to the namespaces torpor makes on it
+BRIDGE = "torpbench0"
+SUBNET = "10.213.250.0/24"
 JOBS = Path(__file__).resolve().parent.parent / "tests" / "jobs"
 GIB = 2**30
 MIB = 2**20
@@ -178,6 +183,9 @@ class Node:
             "TORPOR_HOT_DIR": str(self.hot),
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
+            # the clones' networks on a bridge of the benchmark's own, removed with it (close)
+            "TORPOR_BRIDGE": BRIDGE,
+            "TORPOR_SUBNET": SUBNET,
         }
         helped = self.torpor("run", "--help").stdout
         self.templates_exist = "--from-template" in helped
@@ -239,6 +247,8 @@ class Node:
                 for template in json.loads(self.torpor("template", "ls", "--json").stdout):
                     self.torpor("template", "rm", template["name"], check=False)
         shutil.rmtree(self.hot, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            jobnet.remove_bridge(jobnet.Bridge(BRIDGE, IPv4Network(SUBNET)))
 
 
 @dataclass
