@@ -10,6 +10,7 @@ import json
 import socket
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -212,3 +213,40 @@ def test_a_copy_without_checkpoints_of_its_own_resumes_from_its_template(torpor:
     # once it has a checkpoint of its own, that is what it resumes from
     own = torpor.json("hibernate", "copy")
     assert torpor.json("resume", "copy")["checkpoint"] == own["id"]
+
+
+GHOST_HOLDER = """
+import os, tempfile, time
+fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="torpor-test-ghost-")
+os.write(fd, b"kept while deleted")
+os.unlink(path)  # open but deleted: CRIU saves it as a ghost file, and makes it again to restore it
+ballast = os.urandom(160 << 20)  # restores that take long enough to overlap
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+    os.lseek(fd, 0, 0)
+    assert os.read(fd, 64) == b"kept while deleted"
+"""
+
+
+def test_copies_of_a_template_with_a_deleted_file_started_at_once_all_run(
+    torpor: Torpor, tmp_path: Path
+) -> None:
+    script = tmp_path / "ghost.py"
+    script.write_text(GHOST_HOLDER)
+    torpor.run("run", "--name", "holder", "--", sys.executable, "-u", str(script))
+    torpor.wait_log("holder", "ready")
+    torpor.run("template", "save", "ghost", "holder")
+    results: dict[str, int] = {}
+
+    def start(name: str) -> None:
+        results[name] = torpor.run("run", "--from-template", "ghost", "--name", name, check=False).returncode
+
+    threads = [threading.Thread(target=start, args=(f"copy{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {f"copy{i}": 0 for i in range(4)}
+    time.sleep(0.5)  # each reads its deleted file back every 0.1 s: a wrong one would have failed
+    assert all(torpor.job(f"copy{i}")["state"] == "running" for i in range(4))

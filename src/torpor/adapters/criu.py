@@ -86,8 +86,11 @@ class RestoreGate:
 
     def _say(self, text: str) -> None:
         tmp = self.verdict.with_name(f".{self.verdict.name}.tmp")
-        private.write_private(tmp, (text + "\n").encode())
-        os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
+        try:
+            private.write_private(tmp, (text + "\n").encode())
+            os.replace(tmp, self.verdict)  # whole or absent: the script never reads half a verdict
+        except FileNotFoundError:
+            pass  # the restore failed and its folder went with it: nobody waits for a verdict any more
 
     def open(self) -> None:
         self._say("verified")

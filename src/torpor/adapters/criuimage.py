@@ -250,6 +250,12 @@ def tcp_listeners(images_dir: Path) -> list[ImageListener]:
     return found
 
 
+def has_ghost_files(images_dir: Path) -> bool:
+    """Whether the image holds files that were deleted while open or mapped (``ghost-file-N.img``): CRIU
+    brings each back at a path of its own making beside the original while it restores."""
+    return any(images_dir.glob("ghost-file-*.img"))
+
+
 def repeated(buf: bytes, number: int) -> list[int | bytes]:
     """Every value of field ``number`` in one protobuf message, in order (for repeated fields)."""
     return [value for field, value in _values(buf) if field == number]

@@ -13,6 +13,7 @@ Fetching and verifying images is the store's; reading CRIU's image files is the 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torpor.adapters.criu import RestoreGate
-from torpor.adapters.criuimage import shared_file_mappings, unix_socket_paths
+from torpor.adapters.criuimage import has_ghost_files, shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
 from torpor.adapters.system import ownprocess, private, procfs
 from torpor.core.context import Context, Progress, quiet
@@ -103,6 +104,7 @@ def restore_into_launcher(
                 daemon = ctx.criu.start_lazy_pages(image_dir, log)
         # the CPUs kept quick to wake while CRIU restores (ownprocess.cpu_wakeups_held)
         with (
+            _one_at_a_time(ctx, image_dir),
             ownprocess.cpu_wakeups_held(ctx.settings.hold_cpu_wakeups),
             _handed_over(job, copy_of, net_namespace if net_external else None, net_external) as files,
         ):
@@ -166,6 +168,26 @@ def tell_restored(pids: list[int]) -> list[int]:
                 os.kill(pid, RESTORED_SIGNAL)
                 told.append(pid)
     return told
+
+
+@contextlib.contextmanager
+def _one_at_a_time(ctx: Context, image_dir: Path) -> Iterator[None]:
+    """Restores of one image with ghost files (files deleted while open, e.g. a POSIX semaphore in
+    /dev/shm) one after the other: CRIU makes each ghost again at the same path of its own making while
+    it restores, so two copies of a template started at once would collide ("Can't create ghost
+    regfile: File exists"). Other restores run side by side; those of other state directories are not
+    held (their images are other images)."""
+    if not has_ghost_files(image_dir):
+        yield
+        return
+    lock = ctx.settings.run_dir / "restore-ghosts.lock"  # kept: unlinked, a waiter would lock a lost file
+    private.make_private_dirs(lock.parent)
+    fd = private.open_private(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
