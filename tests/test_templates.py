@@ -250,3 +250,13 @@ def test_copies_of_a_template_with_a_deleted_file_started_at_once_all_run(
     assert results == {f"copy{i}": 0 for i in range(4)}
     time.sleep(0.5)  # each reads its deleted file back every 0.1 s: a wrong one would have failed
     assert all(torpor.job(f"copy{i}")["state"] == "running" for i in range(4))
+
+
+def test_saving_a_template_leaves_the_jobs_own_checkpoints_alone(torpor: Torpor) -> None:
+    port = free_port()
+    torpor.run("run", "--name", "web", "--keep", "1", "--", sys.executable, "-u", str(EXAMPLE), str(port))
+    torpor.wait_log("web", f"ready on {port}")
+    own = torpor.json("checkpoint", "web")["id"]
+    torpor.run("template", "save", "ready", "web")
+    # retention (keep 1) did not count the template's checkpoint, which is not the job's
+    assert [c["id"] for c in torpor.json("checkpoints", "web")] == [own]

@@ -170,7 +170,8 @@ def checkpoint_in_launcher(
             parent=parent.id if parent else job.restored_from,
         )
         records.add_checkpoint(checkpoint)
-        apply_retention(ctx, name, progress)
+        if not for_copies:  # a template's leaves the job's list at once: it must not push one out
+            apply_retention(ctx, name, progress)
     except TorporError as exc:
         if staging is not None and not committed:
             ctx.store.discard(staging)
