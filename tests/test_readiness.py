@@ -163,6 +163,7 @@ def test_a_big_write_is_read_over_several_calls(tmp_path: Path) -> None:
 # -- CPU time ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_a_busy_process_counts_its_cpu_time_and_an_idle_one_almost_none(spawn: Spawn) -> None:
     busy = spawn(sys.executable, "-c", BUSY_THEN_SLEEP, "0.3")
     idle = spawn("sleep", "30")
@@ -171,6 +172,7 @@ def test_a_busy_process_counts_its_cpu_time_and_an_idle_one_almost_none(spawn: S
     assert procfs.cpu_seconds_with_children([idle.pid]) < 0.05
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_a_child_that_came_and_went_counts_through_its_parent(spawn: Spawn) -> None:
     script = f'{sys.executable} -c "$0" 0.3 >/dev/null; echo reaped; exec sleep 30'
     parent = spawn("sh", "-c", script, BUSY_THEN_SLEEP.replace("time.sleep(30)", "pass"))
@@ -188,6 +190,7 @@ def test_processes_gone_count_nothing() -> None:
 # -- watching a job ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_sees_a_port_ready_once_the_job_listens(spawn: Spawn, tmp_path: Path) -> None:
     job = spawn("sleep", "30")
     port = free_port()
@@ -210,6 +213,7 @@ def test_watch_sees_a_port_ready_once_the_job_listens(spawn: Spawn, tmp_path: Pa
     assert 0.3 <= verdict.at < 1.5
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_sees_a_log_line_the_job_writes_and_not_the_ones_before_it(
     spawn: Spawn, tmp_path: Path
 ) -> None:
@@ -225,6 +229,7 @@ def test_watch_sees_a_log_line_the_job_writes_and_not_the_ones_before_it(
     assert 0.3 <= verdict.at < 1.5
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_sees_an_idle_job_ready_after_its_window(spawn: Spawn, tmp_path: Path) -> None:
     job = spawn("sleep", "30")
     verdict = watch(ReadyWhen.cpu_idle(0.3), job.pid, tmp_path / "job.log", 0, members=itself)
@@ -233,6 +238,7 @@ def test_watch_sees_an_idle_job_ready_after_its_window(spawn: Spawn, tmp_path: P
     assert "of one core" in verdict.reason
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_gives_up_on_a_busy_job_at_the_timeout(spawn: Spawn, tmp_path: Path) -> None:
     job = spawn(sys.executable, "-c", BUSY_THEN_SLEEP, "30")
     verdict = watch(ReadyWhen.cpu_idle(0.3), job.pid, tmp_path / "job.log", 0, timeout_s=0.8, members=itself)
@@ -241,6 +247,7 @@ def test_watch_gives_up_on_a_busy_job_at_the_timeout(spawn: Spawn, tmp_path: Pat
     assert 0.8 <= verdict.at < 1.5
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_gives_up_when_the_job_exits(spawn: Spawn, tmp_path: Path) -> None:
     began = time.monotonic()
     job = spawn("sleep", "0.2")
@@ -250,6 +257,7 @@ def test_watch_gives_up_when_the_job_exits(spawn: Spawn, tmp_path: Path) -> None
     assert 0.2 <= verdict.at < 1.5
 
 
+@pytest.mark.slow  # real processes, watched for a fraction of a second or more
 def test_watch_returns_wait_soon_after_it_is_stopped(spawn: Spawn, tmp_path: Path) -> None:
     job = spawn("sleep", "30")
     stop = threading.Event()
