@@ -101,7 +101,9 @@ class Cloner:
         template (noted in its origin); ``own_network``: it gets a network namespace of its own, with an
         address on torpor's bridge (:class:`~torpor.core.jobnetworks.Networks`).
 
-        The caller has checked :meth:`stale`. A failure raises :class:`RestoreFailed` and leaves no job.
+        The caller has checked :meth:`stale`. A failure leaves no job and raises its error under this
+        start's name: a refusal (a taken port) as :class:`~torpor.errors.UsageError`, a failed restore as
+        :class:`~torpor.errors.RestoreFailed`.
         """
         engine = self.engine
         records = engine.records
