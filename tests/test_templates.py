@@ -260,3 +260,35 @@ def test_saving_a_template_leaves_the_jobs_own_checkpoints_alone(torpor: Torpor)
     torpor.run("template", "save", "ready", "web")
     # retention (keep 1) did not count the template's checkpoint, which is not the job's
     assert [c["id"] for c in torpor.json("checkpoints", "web")] == [own]
+
+
+RW_HOLDER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)  # read-write: CRIU restores it only at the same size
+os.write(fd, b"state")
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_template_criu_cannot_restore_here_starts_cold_and_says_why(torpor: Torpor, tmp_path: Path) -> None:
+    script, data = tmp_path / "rw.py", tmp_path / "data"
+    script.write_text(RW_HOLDER)
+    command = ["--", sys.executable, "-u", str(script), str(data)]
+    torpor.run("run", "--name", "first", "--warm-start", "--ready-when", "log:^ready$", *command)
+    torpor.wait_for(lambda: len(torpor.json("template", "ls")) == 1, what="the warm-start template")
+    (saved,) = torpor.json("template", "ls")
+    torpor.run("rm", "--force", "first")
+    with data.open("ab") as grown:  # the file the template holds read-write is not what it was
+        grown.write(b" and more")
+    out = torpor.run("run", "--name", "second", "--warm-start", "--ready-when", "log:^ready$", *command)
+    assert "cold: its warm-start template could not be restored here" in out.stdout
+    assert "criu restore failed" in out.stdout
+    torpor.wait_log("second", "ready")  # it ran its command from the start
+    # and saved a new template in the old one's place
+    torpor.wait_for(
+        lambda: [t["checkpoint"] for t in torpor.json("template", "ls")] not in ([], [saved["checkpoint"]]),
+        what="a new warm-start template",
+    )
+    assert [t["source_job"] for t in torpor.json("template", "ls")] == ["second"]

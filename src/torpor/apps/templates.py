@@ -21,7 +21,7 @@ from torpor.core.engine import Engine
 from torpor.core.readiness import read_ready_when
 from torpor.core.recordtypes import LIVE_STATES, Job, JobName, Origin, Template
 from torpor.core.templates import Templates
-from torpor.errors import UsageError
+from torpor.errors import RestoreFailed, UsageError
 from torpor.policy.warmstart import warm_template_name
 
 # -- torpor run --from-template / --warm-start ------------------------------------------------------------
@@ -51,50 +51,62 @@ def check_run_flags(args: argparse.Namespace, command: list[str]) -> None:
 
 def run_with_template(engine: Engine, args: argparse.Namespace, command: list[str]) -> tuple[Job, str]:
     """``torpor run`` with ``--from-template`` or ``--warm-start``: the job, and a line saying where it
-    came from (a template, or a cold start and why)."""
+    came from (a template, or a cold start and why).
+
+    A template that is stale, or that this machine's CRIU or kernel cannot restore, starts its command
+    cold instead; a warm-start one is saved again once that job is ready. A refusal (a taken port) is
+    not a reason to start cold: it is the user's to settle, and stands.
+    """
     cloner = Cloner(engine)
-    say = progress(args)
-    cwd = os.getcwd()
     if args.from_template:
         template = cloner.templates.get(args.from_template)
-        why = cloner.stale(template)
-        if why is None:
-            started = cloner.start(
-                template, args.name, lazy=args.lazy, own_network=args.own_network, progress=say
-            )
-            return _from(started)
+        job, why = _start_or_say_why(cloner, template, args)
+        if job is not None:
+            return job, why
         job = engine.run(
             args.name, template.command, template.cwd, warm=_resave(template), ready_when=template.ready_when
         )
-        hint = (
-            ""
-            if template.ready_when
-            else f"; save a new template with 'torpor template save NAME {job.name}'"
-        )
-        return job, f"cold: template '{template.name}' is stale ({why}){hint}"
+        if template.ready_when:
+            return job, f"cold: template '{template.name}' {why}; a new one is saved once it is ready"
+        return job, f"cold: template '{template.name}' {why}; save a new one with 'torpor template save'"
     ready_when = str(read_ready_when(args.ready_when))
     if not command:
         raise UsageError("no command given: torpor run --warm-start --ready-when SPEC -- COMMAND [ARGS...]")
+    cwd = os.getcwd()
     name = warm_template_name(command, dict(os.environ), cwd)
     saved = cloner.templates.find(name)
-    if saved is not None:
-        why = cloner.stale(saved)
-        if why is None:
-            started = cloner.start(
-                saved,
-                args.name,
-                lazy=args.lazy,
-                warm=name,
-                ready_when=ready_when,
-                own_network=args.own_network,
-                progress=say,
-            )
-            return _from(started)
-        reason = f"cold: its warm-start template is stale ({why}); a new one is saved once it is ready"
-    else:
+    if saved is None:
         reason = f"cold: its warm-start template '{name}' is saved once it is ready ({ready_when})"
-    job = engine.run(args.name, command, cwd, warm=name, ready_when=ready_when)
-    return job, reason
+    else:
+        job, why = _start_or_say_why(cloner, saved, args, warm=name, ready_when=ready_when)
+        if job is not None:
+            return job, why
+        reason = f"cold: its warm-start template {why}; a new one is saved once it is ready"
+    return engine.run(args.name, command, cwd, warm=name, ready_when=ready_when), reason
+
+
+def _start_or_say_why(
+    cloner: Cloner, template: Template, args: argparse.Namespace, **warm: str
+) -> tuple[Job | None, str]:
+    """A job started from ``template`` and where it came from; or None and why it cannot be (stale, or
+    its restore failed here), in words that follow the template's name."""
+    why = cloner.stale(template)
+    if why is not None:
+        return None, f"is stale ({why})"
+    try:
+        started = cloner.start(
+            template,
+            args.name,
+            lazy=args.lazy,
+            own_network=args.own_network,
+            progress=progress(args),
+            **warm,
+        )
+    except RestoreFailed as exc:
+        for line in exc.details:
+            print(f"  {line}", file=sys.stderr)
+        return None, f"could not be restored here ({exc.message})"
+    return _from(started)
 
 
 def origins(engine: Engine) -> dict[JobName, Origin]:
