@@ -264,7 +264,8 @@ def test_saving_a_template_leaves_the_jobs_own_checkpoints_alone(torpor: Torpor)
 
 RW_HOLDER = """
 import os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)  # read-write: CRIU restores it only at the same size
+# read-write, and not named on the command line (so not stamped): CRIU restores it only at the same size
+fd = os.open(os.path.join(sys.argv[1], "data"), os.O_RDWR | os.O_CREAT)
 os.write(fd, b"state")
 print("ready", flush=True)
 while True:
@@ -275,7 +276,7 @@ while True:
 def test_a_template_criu_cannot_restore_here_starts_cold_and_says_why(torpor: Torpor, tmp_path: Path) -> None:
     script, data = tmp_path / "rw.py", tmp_path / "data"
     script.write_text(RW_HOLDER)
-    command = ["--", sys.executable, "-u", str(script), str(data)]
+    command = ["--", sys.executable, "-u", str(script), str(tmp_path)]
     torpor.run("run", "--name", "first", "--warm-start", "--ready-when", "log:^ready$", *command)
     torpor.wait_for(lambda: len(torpor.json("template", "ls")) == 1, what="the warm-start template")
     (saved,) = torpor.json("template", "ls")
