@@ -41,7 +41,7 @@ from torpor.core.recordtypes import (
     JobState,
     Origin,
 )
-from torpor.core.restore import LAZY_KILL, prepare_world
+from torpor.core.restore import LAZY_KILL, prepare_world, recreate_socket_folders
 from torpor.core.rewind import Rewound
 from torpor.core.starting import PreparedRun
 from torpor.core.store import (
@@ -409,8 +409,10 @@ class Engine:
             nonlocal rewound
             if template is None:
                 rewound = prepare_world(self.ctx, previous, checkpoint.id, image_dir, progress, rewind, warn)
-            elif net is None:  # the template's files are not this job's to rewind
-                refuse_taken_ports(image_dir, template)
+            else:  # the template's files are not this job's to rewind
+                if net is None:
+                    refuse_taken_ports(image_dir, template)
+                recreate_socket_folders(image_dir)
 
         try:
             launcher = self._start_launcher(job.name, LaunchMode.RESTORE)

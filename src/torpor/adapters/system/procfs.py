@@ -319,8 +319,8 @@ def program_files(pids: list[int]) -> list[str]:
     """The regular files ``pids`` have mapped (the executable, shared libraries, mapped model files) or
     open read-only (what they read on from): the files that make the running program what it is.
 
-    Files open for writing are left out (the job's own output: it changes them), and so are deleted
-    ones and the ``/proc``, ``/sys`` and ``/dev`` entries. Sorted, once each; a process gone meanwhile is
+    Files open for writing or mapped shared and writable are left out (the job's own output and data:
+    it changes them), and so are deleted ones and the ``/proc``, ``/sys`` and ``/dev`` entries. Sorted, once each; a process gone meanwhile is
     left out.
     """
     found: set[str] = set()
@@ -329,7 +329,8 @@ def program_files(pids: list[int]) -> list[str]:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     parts = line.split(None, 5)
-                    if len(parts) == 6 and parts[5].startswith("/"):
+                    writes_it = parts[1][1] == "w" and parts[1][3] == "s"  # shared and writable: its data
+                    if len(parts) == 6 and parts[5].startswith("/") and not writes_it:
                         found.add(parts[5].rstrip("\n"))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):  # closed meanwhile
