@@ -17,10 +17,7 @@ CRIU sees it so: a job restored from an image saved in the machine's network joi
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import os
-from collections.abc import Iterator
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
@@ -86,11 +83,5 @@ class Networks:
     def remove(self, job: str) -> None:
         jobnet.remove(jobnet.netns_name(self.bridge, job))
 
-    @contextlib.contextmanager
-    def _one_at_a_time(self) -> Iterator[None]:
-        fd = private.open_private(self.settings.home / "networks.lock", os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _one_at_a_time(self) -> contextlib.AbstractContextManager[None]:
+        return private.locked(self.settings.home / "networks.lock")

@@ -13,7 +13,6 @@ Fetching and verifying images is the store's; reading CRIU's image files is the 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -180,14 +179,9 @@ def _one_at_a_time(ctx: Context, image_dir: Path) -> Iterator[None]:
     if not has_ghost_files(image_dir):
         yield
         return
-    lock = ctx.settings.run_dir / "restore-ghosts.lock"  # kept: unlinked, a waiter would lock a lost file
-    private.make_private_dirs(lock.parent)
-    fd = private.open_private(lock, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    private.make_private_dirs(ctx.settings.run_dir)
+    with private.locked(ctx.settings.run_dir / "restore-ghosts.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,10 @@ where torpor writes; and whether a folder is one that others could swap under it
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 #: the umask of torpor's own processes (CLI, launcher, destager) and so of CRIU, their child: what they
@@ -31,6 +33,18 @@ def write_private(path: Path, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold the lock file ``path`` (created private if missing; kept after: a lock file unlinked while
+    another waits on it would let a third take a new one) exclusively, one holder at a time."""
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 
