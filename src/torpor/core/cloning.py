@@ -34,8 +34,7 @@ from torpor.core.restore import recreate_socket_folders
 from torpor.core.templates import (
     Templates,
     check_template_name,
-    listened,
-    program_stamps,
+    program_of,
     refuse_taken_ports,
     stamps_now,
 )
@@ -69,7 +68,7 @@ class Cloner:
         if job.state != JobState.RUNNING or not job.pid:
             raise WrongState(f"cannot save a template of job '{job_name}': it is {job.state}, not running")
         pids = procfs.namespace_members(job.pid)
-        files, listens = program_stamps(job, pids), listened(pids)
+        files, listens = program_of(job, pids)
         checkpoint = self.engine.checkpoint(job.name, progress=progress, warn=warn, for_copies=True)
         template, _ = self.templates.adopt(name, checkpoint, job, files, listens)
         return template

@@ -68,8 +68,11 @@ def stamps_now(template: Template) -> dict[str, FileStamp | None]:
     return {saved.path: stamp(saved.path) for saved in template.files}
 
 
-def listened(pids: list[int]) -> tuple[tuple[str, int], ...]:
-    return tuple((address.host, address.port) for address in sockets.listening_sockets(pids))
+def program_of(job: Job, pids: list[int]) -> tuple[tuple[FileStamp, ...], tuple[tuple[str, int], ...]]:
+    """What a template of running ``job`` (its processes ``pids``) remembers of it, read before its
+    checkpoint: the stamps of its program's files, and the TCP addresses it listens on."""
+    listens = tuple((address.host, address.port) for address in sockets.listening_sockets(pids))
+    return program_stamps(job, pids), listens
 
 
 class Templates:
@@ -250,9 +253,10 @@ def refuse_taken_ports(image_dir: Path, template: Template) -> None:
 def restart_template(records: Records, job: Job) -> Template | None:
     """The template job ``job`` restarts from when it has no checkpoint of its own: the one it was started
     from, or its warm-start one; None when it has neither. A stale one is refused, saying why."""
-    origin = Templates(records).origin(job.name)
+    templates = Templates(records)
+    origin = templates.origin(job.name)
     name = origin.warm or origin.template if origin is not None else None
-    template = Templates(records).find(name) if name else None
+    template = templates.find(name) if name else None
     if template is None:
         return None
     why = stale_summary(stale_reasons(template.files, stamps_now(template)))

@@ -37,7 +37,7 @@ from torpor.core.launcher import protocol
 from torpor.core.launcher.protocol import LauncherEnds, LaunchMode, LaunchSpec, RestoreSpec, Started
 from torpor.core.recordtypes import JobState
 from torpor.core.restore import restore_into_launcher
-from torpor.core.templates import Templates, listened, program_stamps
+from torpor.core.templates import Templates, program_of
 from torpor.errors import JobExited, JobNotFound, JobStartFailed, TorporError
 from torpor.policy.ready import Outcome, parse_ready_when
 
@@ -257,7 +257,7 @@ class Launcher:
                 if self.pid is None or job.state != JobState.RUNNING or self.finished.is_set():
                     return
                 pids = procfs.namespace_members(self.pid)
-                files, listens = program_stamps(job, pids), listened(pids)
+                files, listens = program_of(job, pids)
                 reply = checkpoint_in_launcher(
                     self.ctx, job.name, self.pid, False, self, _log_progress, for_copies=True
                 )
