@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchdoc import DOC, cpu_model, median, memory_total, say, write_section
+from benchdoc import cpu_model, median, memory_total, publish, say
 
 from torpor.apps.agent.client import AgentClient, answers
 from torpor.core.engine import Engine
@@ -829,7 +829,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.render:
         results, meta = load(args.render)
-        return publish(section(results, meta), args.no_doc)
+        publish("agent", section(results, meta), print_only=args.no_doc)
+        return 0
     if args.quick:
         args.wake_samples, args.memory_mib, args.memory_repeat = 2, "64", 1
         args.jobs, args.job_mib, args.evacuation_repeat = 2, 128, 1
@@ -878,14 +879,7 @@ def main() -> int:
     }
     if args.save:
         save(args.save, results, meta)
-    return publish(section(results, meta), args.no_doc)
-
-
-def publish(text: str, no_doc: bool) -> int:
-    print(text)
-    if not no_doc:
-        write_section("agent", text)
-        say(f"wrote the agent section of {DOC}")
+    publish("agent", section(results, meta), print_only=args.no_doc)
     return 0
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine, machine_table
-from benchdoc import DOC, median, say, write_section
+from benchdoc import median, publish, say
 
 from torpor.adapters import jobnet
 from torpor.adapters.criu import Criu
@@ -692,7 +692,8 @@ def main() -> int:
     parser.add_argument("--render", type=Path, help="measure nothing: write the section from --save's file")
     args = parser.parse_args()
     if args.render:
-        return publish(section(*load(args.render)), args.no_doc)
+        publish("warmstart", section(*load(args.render)), print_only=args.no_doc)
+        return 0
     wanted = [m.strip() for m in args.only.split(",") if m.strip()]
     unknown = sorted(set(wanted) - set(MEASUREMENTS))
     if unknown:
@@ -754,14 +755,7 @@ def main() -> int:
     }
     if args.save:
         save(args.save, results, meta)
-    return publish(section(results, meta), args.no_doc)
-
-
-def publish(text: str, no_doc: bool) -> int:
-    print(text)
-    if not no_doc:
-        write_section("warmstart", text)
-        say(f"wrote the warmstart section of {DOC}")
+    publish("warmstart", section(results, meta), print_only=args.no_doc)
     return 0
 
 
