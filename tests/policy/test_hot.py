@@ -52,9 +52,9 @@ def test_a_copy_whose_kind_is_unknown_is_not_a_hibernation() -> None:
 
 
 def test_only_a_hibernation_is_read_back_from_the_cold_tier_soon() -> None:
-    assert read_back_soon(HotCopy("h", "job", "staged", created_at=5, kind="hibernate"))
-    assert not read_back_soon(_copy("c", 5, state="staged"))  # stays in RAM: a restore reads that
-    assert not read_back_soon(HotCopy("u", "job", "staged", created_at=5))  # unknown kind: kept in RAM
+    assert read_back_soon("hibernate")
+    assert not read_back_soon("checkpoint")  # stays in RAM: a restore reads that
+    assert not read_back_soon(None)  # unknown kind: kept in RAM
 
 
 def test_what_already_fits_drops_nothing() -> None:

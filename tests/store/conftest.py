@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from conftest import free_port
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.system import disk
 from torpor.core.store.backend import Backend
+from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings
@@ -141,6 +142,18 @@ def in_memory_only(root: Path) -> bool:
     """Whether ``root`` is on a file system that keeps files in memory only (tmpfs): no page cache to leave."""
     kind = subprocess.run(["stat", "-f", "-c", "%T", str(root)], capture_output=True, text=True, check=True)
     return kind.stdout.strip() in ("tmpfs", "ramfs")
+
+
+def chunks_cached_share(repo: Repository, chunks: Iterable[ChunkId]) -> float:
+    """The share of the bytes of stored ``chunks`` that the page cache holds."""
+    repo.open().chunks.refresh()
+    cached = total = 0.0
+    for chunk in chunks:
+        where = repo.chunks.get(chunk)
+        assert where is not None
+        cached += repo.backend.in_memory(*where) * where[2]
+        total += where[2]
+    return cached / total
 
 
 def evict_from_memory(root: Path) -> bool:

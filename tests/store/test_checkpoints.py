@@ -21,7 +21,7 @@ from torpor.adapters.folder import FolderBackend
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings
 
-from .conftest import drop_chunk, flip_chunk_bit, in_memory_only
+from .conftest import chunks_cached_share, drop_chunk, flip_chunk_bit, in_memory_only
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -111,15 +111,8 @@ def test_a_second_checkpoint_stores_only_what_changed(torpor: Torpor, hot: Path)
 
 def cached_share(repo: Repository, checkpoint: str) -> float:
     """The share of a checkpoint's stored memory pages that the page cache holds."""
-    repo.open().chunks.refresh()
-    cached = total = 0.0
-    for entry in (f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-")):
-        for chunk in {c for _, _, c in entry.extents if c}:
-            where = repo.chunks.get(chunk)
-            assert where is not None
-            cached += repo.backend.in_memory(*where) * where[2]
-            total += where[2]
-    return cached / total
+    pages = (f for f in repo.manifest(checkpoint).files if f.name.startswith("pages-"))
+    return chunks_cached_share(repo, {c for entry in pages for _, _, c in entry.extents if c})
 
 
 def test_only_a_hibernation_leaves_its_stored_memory_in_the_page_cache(torpor: Torpor, hot: Path) -> None:

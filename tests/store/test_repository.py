@@ -17,7 +17,14 @@ from torpor.core.store.prestore import Prestored
 from torpor.core.store.repository import Repository
 from torpor.errors import CheckpointNotFound, CorruptImage, KeyProblem
 
-from .conftest import drop_chunk, flip_chunk_bit, same_files, write_image
+from .conftest import (
+    chunks_cached_share,
+    drop_chunk,
+    evict_from_memory,
+    flip_chunk_bit,
+    same_files,
+    write_image,
+)
 
 MiB = 1 << 20
 BASE = 0x7F0000000000
@@ -350,6 +357,24 @@ def test_chunks_stored_during_the_dump_are_used_only_for_the_very_same_piece(tmp
     repo.read("c", tmp_path / "out")
     assert same_files(full, tmp_path / "out")
     assert repo.gc().chunks_deleted == 1  # the chunk of the wrong guess
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["checkpoint", "hibernation"])
+def test_chunks_stored_during_the_dump_go_around_the_page_cache_unless_asked(
+    tmp_path: Path, cache: bool
+) -> None:
+    """What a dump stores before it ends is kept as the rest of its image will be: a checkpoint's
+    around the page cache (its RAM copy is what a restore reads), a hibernation's in it."""
+    if not evict_from_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is a file system in memory")
+    repo = Repository(FolderBackend(tmp_path / "store"))
+    full = write_image(tmp_path / "full", {BASE: _random(4 * MiB)})
+    prestored = Prestored()
+    dumping = _dump_in_progress(full, tmp_path / "dumping", 4 * MiB, 1)
+    repo.prestore(dumping, prestored, _after(lambda: len(prestored.pieces) >= 3), cache=cache)
+    chunks = {chunk for chunk, _ in prestored.pieces.values() if chunk}
+    assert len(chunks) == 3
+    assert chunks_cached_share(repo, chunks) == (1.0 if cache else 0.0)
 
 
 def test_a_chunk_stored_during_the_dump_then_lost_is_stored_again(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from torpor.core.store import DURABLE, STAGED, TieredStore, config
+from torpor.core.store.hot import dumped_kind, dumped_pids
 from torpor.errors import CorruptImage, StorageFull, StoreError
 from torpor.settings import Settings
 
@@ -222,6 +223,21 @@ def test_the_destager_removes_what_dead_dumps_left_behind(
     destager.run(store)
     assert not hot_partial.exists() and not cold_partial.exists()
     assert live_partial.exists()
+
+
+def test_a_dump_in_progress_says_its_kind_until_it_is_committed(settings: Settings) -> None:
+    """The destager stores a dump before it ends as its kind's are stored (policy.hot.read_back_soon)."""
+    store = TieredStore(settings)
+    for size_hint in (None, 64 * MiB):  # in RAM, and on a disk for a dump too large for RAM
+        staging = store.staging_dir(
+            f"h{size_hint}", size_hint=size_hint, pids=[os.getpid()], kind="hibernate"
+        )
+        assert dumped_kind(staging) == "hibernate" and dumped_pids(staging) == [os.getpid()]
+    assert dumped_kind(store.staging_dir("unsaid")) is None
+    staging = store.staging_dir("c", kind="checkpoint")
+    write_image(staging, {BASE: os.urandom(MiB)})
+    store.put("c", "job", staging, {"kind": "checkpoint"})
+    assert ".kind" not in {path.name for path in store.hot.image_dir("c").iterdir()}  # the record says
 
 
 @pytest.mark.root("mounting a tmpfs")

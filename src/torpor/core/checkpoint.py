@@ -95,7 +95,7 @@ def checkpoint_in_launcher(
         refuse_io_uring(pids)
         memory = procfs.memory_use(pids)
         rss = sum(use.proportional for use in memory)
-        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids)
+        staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids, kind=kind.value)
         ctx.gpu.before_dump(pids)
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
         # memory set aside for the pages, so that the host's faults on fresh memory are not paid while

@@ -92,8 +92,9 @@ def to_take_over(job: str, copies: Sequence[HotCopy]) -> str | None:
     return max(durable, key=lambda copy: copy.created_at).id if durable else None
 
 
-def read_back_soon(copy: HotCopy) -> bool:
-    """Whether the cold tier's copy of ``copy`` will be read soon after it is stored.
+def read_back_soon(kind: str | None) -> bool:
+    """Whether the cold tier's copy of an image of ``kind`` (``None``: unknown) is read soon after it
+    is stored.
 
     A hibernation's will: its RAM copy goes once durable (:func:`after_durable`), and its resume reads
     the cold tier, at the speed of memory while the page cache still holds what was written. Any
@@ -101,7 +102,7 @@ def read_back_soon(copy: HotCopy) -> bool:
     page cache, its bytes would be there twice, pushing out pages others use, in memory allocated for
     them (on a virtual machine whose host took free memory back, faulted in page by page).
     """
-    return copy.id in after_durable(copy, ())
+    return kind == HIBERNATE
 
 
 def make_room(tier: Tier, need: int) -> Room:

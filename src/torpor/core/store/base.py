@@ -121,12 +121,19 @@ class ImageStore(Protocol):
     def retry(self) -> None:
         """Store again, in the background, the images a failure left in RAM only."""
 
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None, pids: Sequence[int] = ()) -> Path:
+    def staging_dir(
+        self,
+        checkpoint_id: str,
+        size_hint: int | None = None,
+        pids: Sequence[int] = (),
+        kind: str | None = None,
+    ) -> Path:
         """A new empty folder for CRIU to dump into, placed so that :meth:`put` is cheap.
 
         ``size_hint`` (the job's resident bytes) lets the store send a dump that would not fit into RAM
         straight to the cold tier. ``pids``: the processes being dumped, whose memory the store may
-        read while CRIU holds them frozen (to store it before CRIU has written it).
+        read while CRIU holds them frozen (to store it before CRIU has written it). ``kind``: the
+        checkpoint's (``hibernate``, ...), which tells how what is stored before the dump ends is kept.
         """
 
     def in_memory(self, image_dir: Path) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torpor.adapters.system import private
 from torpor.core.store.base import DESTAGING, DURABLE, STAGED
-from torpor.core.store.hot import HotRecord, as_copy, dumped_pids, owner_alive, tier_error
+from torpor.core.store.hot import HotRecord, as_copy, dumped_kind, dumped_pids, owner_alive, tier_error
 from torpor.core.store.prestore import Prestored
 from torpor.core.store.tiered import LOCK_FILE, TieredStore
 from torpor.errors import TorporError
@@ -66,7 +66,7 @@ def destage(store: TieredStore, record: HotRecord, prestored: Prestored | None =
             progress=progress,
             skip=lambda name: name not in record.files,
             prestored=prestored,
-            cache=hot_policy.read_back_soon(as_copy(record)),
+            cache=hot_policy.read_back_soon(as_copy(record).kind),
         )
     if hot.record(record.id) is None:  # deleted while we stored it
         repo.delete(record.id)
@@ -142,6 +142,7 @@ def run(store: TieredStore) -> int:
                         prestored,
                         finished=functools.partial(_dump_over, partial, linger_until),
                         memory_of=dumped_pids(partial),
+                        cache=hot_policy.read_back_soon(dumped_kind(partial)),
                     )
                     memory = prestored.memory_read / 2**20
                     image = sum(piece[2] for piece in prestored.pieces) / 2**20

@@ -58,6 +58,8 @@ RECORD = ".torpor.json"
 OWNER = ".owner"
 #: in a dump's staging folder: the processes being dumped, one per line
 PIDS = ".pids"
+#: in a dump's staging folder: the checkpoint's kind (``hibernate``, ...)
+KIND = ".kind"
 RECORD_FORMAT = "torpor-hot-image"
 RECORD_VERSION = 1
 
@@ -102,10 +104,13 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)  # RAM: nothing to fsync, a crash loses the tier anyway
 
 
-def write_owner(partial: Path, pids: Sequence[int] = ()) -> None:
-    """Mark a new ``.partial`` folder as this process's dump, of ``pids`` (for :func:`dumped_pids`)."""
+def write_owner(partial: Path, pids: Sequence[int] = (), kind: str | None = None) -> None:
+    """Mark a new ``.partial`` folder as this process's dump, of ``pids`` (for :func:`dumped_pids`),
+    a checkpoint of ``kind`` (for :func:`dumped_kind`)."""
     if pids:
         private.write_private(partial / PIDS, "".join(f"{pid}\n" for pid in pids).encode())
+    if kind:
+        private.write_private(partial / KIND, kind.encode())
     private.write_private(partial / OWNER, str(os.getpid()).encode())
 
 
@@ -115,6 +120,14 @@ def dumped_pids(partial: Path) -> list[int]:
         return [int(line) for line in (partial / PIDS).read_text().split()]
     except (OSError, ValueError):
         return []
+
+
+def dumped_kind(partial: Path) -> str | None:
+    """The kind of the checkpoint being dumped into ``partial`` (``None`` if it did not say)."""
+    try:
+        return (partial / KIND).read_text() or None
+    except OSError:
+        return None
 
 
 def owner_alive(partial: Path) -> bool:
@@ -167,7 +180,9 @@ class HotTier:
 
     # -- staging ------------------------------------------------------------------------------------
 
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None, pids: Sequence[int] = ()) -> Path | None:
+    def staging_dir(
+        self, checkpoint_id: str, size_hint: int | None, pids: Sequence[int] = (), kind: str | None = None
+    ) -> Path | None:
         """A folder to dump into, or ``None`` when the hint says the image will not fit."""
         self.ensure()
         need = size_hint or 0
@@ -177,7 +192,7 @@ class HotTier:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             partial.mkdir(mode=0o700)
-            write_owner(partial, pids)
+            write_owner(partial, pids, kind)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
             return None if exc.errno == 28 else _raise(exc, self.root)
@@ -214,6 +229,7 @@ class HotTier:
         try:
             self._write(partial, record)
             (partial / PIDS).unlink(missing_ok=True)
+            (partial / KIND).unlink(missing_ok=True)
             (partial / OWNER).unlink(missing_ok=True)
             os.rename(partial, final)
         except OSError as exc:

@@ -51,6 +51,7 @@ def prestore(
     finished: Callable[[], bool],
     workers: int = 1,
     memory_of: Sequence[int] = (),
+    cache: bool = True,
 ) -> None:
     """Store the chunks of a dump still in progress that CRIU has written already (best effort).
 
@@ -70,6 +71,9 @@ def prestore(
     chunks they will be (adapters/procmem.py), until the parasite runs. Nothing read there is
     trusted: ``Repository.write`` still hashes every piece of the image, and finds these chunks stored
     (``prestored.memory`` says which were new, for the checkpoint's count of bytes it added).
+
+    ``cache``: whether the chunks' packs go through the backend's cache (a page cache), as
+    ``Repository.write``'s do for the same image (``policy.hot.read_back_soon``).
     """
     repo.open()
     fds: dict[str, int] = {}
@@ -114,7 +118,7 @@ def prestore(
                     if chunk is not None and new:
                         prestored.memory[chunk] = new
 
-    with repo.lock.hold(SHARED, timeout=600) as held, repo.storer() as storer:
+    with repo.lock.hold(SHARED, timeout=600) as held, repo.storer(cache) as storer:
         pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="prestore", initializer=idle_priority)
         copier = threading.Thread(target=copy_memory, name="precopy", daemon=True)
         if memory_of:

@@ -123,8 +123,14 @@ class TieredStore:
 
     # -- writing --------------------------------------------------------------------------------------
 
-    def staging_dir(self, checkpoint_id: str, size_hint: int | None = None, pids: Sequence[int] = ()) -> Path:
-        hot = self.hot.staging_dir(checkpoint_id, size_hint, pids)
+    def staging_dir(
+        self,
+        checkpoint_id: str,
+        size_hint: int | None = None,
+        pids: Sequence[int] = (),
+        kind: str | None = None,
+    ) -> Path:
+        hot = self.hot.staging_dir(checkpoint_id, size_hint, pids, kind)
         if hot is not None:
             self.kick()  # a destager starting now is ready when the dump ends
             return hot
@@ -133,7 +139,7 @@ class TieredStore:
             private.make_private_dirs(self.cold_staging)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(mode=0o700)
-            write_owner(partial, pids)
+            write_owner(partial, pids, kind)
         except OSError as exc:
             raise StoreError(
                 f"cannot create a staging folder in {self.cold_staging}: {exc.strerror}"
