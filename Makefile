@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
 # the tests that need neither root, CRIU, Slurm, PyTorch nor an S3 server, and take a few seconds at most
-UNIT := not criu and not root and not slurm and not torch and not s3 and not slow
+UNIT := not criu and not root and not slurm and not torch and not s3 and not k8s and not slow
 # pytest-xdist workers: both cores of the machines CI runs on. Tests that share an expensive set-up (one
 # Slurm cluster, one initdb, one browser, one reference training run) or something of the machine's (the
 # hot tiers every torpor cleanup looks at) are marked xdist_group("…"): --dist loadgroup runs each group on
@@ -14,7 +14,7 @@ UNIT := not criu and not root and not slurm and not torch and not s3 and not slo
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadgroup
 
-.PHONY: setup demo test lint typecheck contracts unit suite bench clean
+.PHONY: setup demo test lint typecheck contracts unit suite bench clean k8s
 
 setup: $(STAMP)
 
@@ -42,9 +42,15 @@ contracts: setup
 unit: setup
 	$(BIN)/pytest -q -p no:cacheprovider $(XDIST) -m "$(UNIT)"
 
-# every test, as root, on both cores; prints the slowest, and why any test was skipped
-suite: setup
-	$(BIN)/pytest -q -rs --durations=15 $(XDIST)
+# Kubernetes v1.20.2 for the cluster tests, built from Debian's source once (~14 min on 2 cores) and
+# cached outside the checkout ($$TORPOR_K8S_CACHE, default /var/cache/torpor-k8s); as root
+k8s:
+	bash scripts/k8s/build.sh
+
+# every test, as root, on both cores; prints the slowest, and why any test was skipped. The cluster
+# tests fail instead of skipping where no Kubernetes could be built
+suite: setup k8s
+	TORPOR_TESTS_NEED_K8S=1 $(BIN)/pytest -q -rs --durations=15 $(XDIST)
 
 test: lint typecheck contracts suite
 

@@ -351,3 +351,11 @@ def catches(pid: int, sig: int) -> bool:
     """Whether ``pid`` has a handler of its own for signal ``sig`` (``SigCgt`` in its status)."""
     mask = _status(pid, "SigCgt")
     return mask is not None and bool(mask) and bool(int(mask[0], 16) >> (sig - 1) & 1)
+
+
+def boot_id() -> str:
+    """This boot's id: it changes when the machine restarts, and differs between machines."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

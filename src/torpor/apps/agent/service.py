@@ -147,7 +147,7 @@ class Agent:
         draining = self.draining()
         if draining is None or draining["by"] == BY_DRAIN:
             return  # a person's drain lasts until 'torpor drain --cancel'
-        if draining["by"] == BY_NOTICE and draining.get("boot") == boot_id():
+        if draining["by"] == BY_NOTICE and draining.get("boot") == procfs.boot_id():
             return  # the notice's machine has not gone down yet: go on saving (the next round)
         # the node went down as announced and is back (or only the agent was stopped): it takes jobs again
         self.records.set_node_flag("draining", None)
@@ -370,7 +370,7 @@ class Agent:
                     "why": why,
                     "by": by,
                     "at": started,
-                    "boot": boot_id(),
+                    "boot": procfs.boot_id(),
                     "resume_at_boot": by == BY_SHUTDOWN if resume_at_boot is None else resume_at_boot,
                 }
                 self.records.set_node_flag("draining", json.dumps(flag))
@@ -576,11 +576,3 @@ def memory_controller(home: Path) -> cgroups.MemoryController | None:
         log.warning("no memory cgroups for the jobs: %s", exc.message)
         return None
     return found
-
-
-def boot_id() -> str:
-    """This boot's id (it changes when the machine restarts)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""

@@ -1,0 +1,347 @@
+"""The in-pod supervisor (``torpor pod -- CMD``): a pod's job hibernated instead of killed, continued
+by the next pod of its identity on any node.
+
+Where things are: a folder that every node sees (the store volume, ``--store``) holds one folder per
+identity (:func:`torpor.policy.pod.identity`), and in it one *slot* per pod of that identity that
+runs at once: ``slot-N/`` is a torpor state directory (records, the job's log, the cold tier of its
+checkpoints), ``slot-N.lock`` is held (``flock``) by the pod that uses it, and ``slot-N.json`` says
+which pod that is or was, and whether its job ended by itself. A pod holds its slot until it exits,
+so two pods never run the same job: a pod whose slot is held waits (or, for an identity of
+interchangeable pods, takes the next slot).
+
+The supervisor starts the command as a torpor job, or continues the slot's job
+(:func:`torpor.policy.pod.on_start`), and copies the job's new output to its own stdout (``kubectl
+logs``). On SIGTERM it hibernates the job into the store (durable) and exits 0; a job that cannot be
+hibernated is stopped the plain way, saying why. A job that exits by itself ends the identity: the
+supervisor exits with its exit code and its checkpoints are deleted. With ``every_s`` it checkpoints
+the job periodically (stretched to the overhead budget, :mod:`torpor.policy.periodic`), which is what a
+pod killed without a grace period, or on a node that died, comes back from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any
+
+from torpor.adapters.system import private, procfs
+from torpor.core.engine import Engine, unsupervised
+from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, JobState
+from torpor.errors import JobNotFound, TorporError, UsageError
+from torpor.policy import periodic
+from torpor.policy import pod as pod_policy
+from torpor.policy.jobpolicy import DEFAULT_BUDGET
+from torpor.settings import Settings
+
+#: how many pods of one identity may run at once (each its own slot) when they are interchangeable
+MAX_SLOTS = 64
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """Which pod this is (from the downward API, through the environment the webhook sets)."""
+
+    name: str = ""
+    namespace: str = ""
+    uid: str = ""
+    node: str = ""
+
+    @classmethod
+    def from_environment(cls) -> PodInfo:
+        env = os.environ
+        return cls(
+            env.get("TORPOR_POD_NAME") or socket.gethostname(),  # a pod's host name is its name
+            env.get("TORPOR_POD_NAMESPACE", ""),
+            env.get("TORPOR_POD_UID", ""),
+            env.get("TORPOR_NODE_NAME", ""),
+        )
+
+    def describe(self) -> str:
+        where = f" on {self.node}" if self.node else ""
+        return f"pod {self.name or '?'}{where}"
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """What ``torpor pod`` was asked to do."""
+
+    store: Path
+    identity: str
+    command: list[str]
+    job: str = "main"
+    #: pods of this identity are interchangeable (a Deployment's replicas): take any free slot
+    interchangeable: bool = False
+    every_s: float | None = None
+    lazy: bool = False
+    pod: PodInfo = PodInfo()
+
+
+def identity_dir(store: Path, identity: str) -> Path:
+    """The identity's folder in the store; ``UsageError`` for an identity that is not a relative path of
+    plain names (it is made by :func:`torpor.policy.pod.identity`, or typed by a user)."""
+    parts = identity.split("/")
+    if not identity or any(part in ("", ".", "..") or part.startswith(".") for part in parts):
+        raise UsageError(f"identity '{identity}' must be NAMESPACE/NAME[/...] of plain names")
+    return store.joinpath(*parts)
+
+
+class Slot:
+    """One slot of an identity, held by this process while it is open."""
+
+    def __init__(self, folder: Path, n: int, fd: int) -> None:
+        self.n = n
+        self.home = folder / pod_policy.slot_name(n)
+        self.info_path = folder / f"{pod_policy.slot_name(n)}.json"
+        self._fd = fd
+        self._mine: dict[str, Any] = {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def take(cls, folder: Path, interchangeable: bool, say: Callable[[str], None]) -> Iterator[Slot]:
+        """Hold a slot of the identity in ``folder``: the first free one of interchangeable pods, else
+        slot 0, waiting for the pod that holds it to end (saying so)."""
+        private.make_private_dirs(folder)
+        fd, n = -1, 0
+        for n in range(MAX_SLOTS if interchangeable else 1):
+            fd = private.open_private(folder / f"{pod_policy.slot_name(n)}.lock", os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                os.close(fd)
+                fd = -1
+        if fd < 0:
+            if interchangeable:
+                raise UsageError(f"all {MAX_SLOTS} slots of this identity are held by running pods")
+            fd = private.open_private(folder / f"{pod_policy.slot_name(0)}.lock", os.O_RDWR | os.O_CREAT)
+            holder = _read_json(folder / f"{pod_policy.slot_name(0)}.json")
+            say(f"waiting for {holder.get('pod', 'another pod')} to let go of this identity")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield cls(folder, n, fd)
+        finally:
+            os.close(fd)
+
+    def previous(self) -> dict[str, Any]:
+        """What the pod that last held this slot wrote of itself ({} if none)."""
+        return _read_json(self.info_path)
+
+    def record(self, pod: PodInfo, **fields: Any) -> None:
+        """Say in the slot's file that ``pod`` holds it, with ``fields`` and those of earlier calls."""
+        self._mine.update(fields)
+        data = {"pod": pod.describe(), "name": pod.name, "uid": pod.uid, "node": pod.node, **self._mine}
+        tmp = self.info_path.with_suffix(".tmp")
+        private.write_private(tmp, json.dumps(data).encode())
+        os.replace(tmp, self.info_path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class Supervisor:
+    """Runs one pod's job through its life (see the module's docstring)."""
+
+    def __init__(self, spec: PodSpec, settings: Settings, out: IO[bytes] | None = None) -> None:
+        self.spec = spec
+        self.settings = settings
+        self.out = out if out is not None else sys.stdout.buffer
+        self.stopping = threading.Event()
+        self._done = threading.Event()
+        self._tried_at: float | None = None
+
+    def say(self, text: str) -> None:
+        print(f"torpor pod: {text}", file=sys.stderr, flush=True)
+
+    def request_stop(self, *_: object) -> None:
+        self.stopping.set()
+
+    def run(self) -> int:
+        """Start or continue the job, supervise it, and return the pod's exit code."""
+        folder = identity_dir(self.spec.store, self.spec.identity)
+        with Slot.take(folder, self.spec.interchangeable, self.say) as slot:
+            previous = slot.previous()
+            slot.record(self.spec.pod, started_at=time.time(), boot=procfs.boot_id())
+            engine = Engine(replace(self.settings, home=slot.home))
+            offset = self._start(engine, slot, previous)
+            follower = threading.Thread(target=self._follow, args=(engine, offset), daemon=True)
+            follower.start()
+            try:
+                return self._supervise(engine, slot)
+            finally:
+                self._done.set()
+                follower.join(timeout=5)
+
+    # -- starting ----------------------------------------------------------------------------------------
+
+    def _start(self, engine: Engine, slot: Slot, previous: dict[str, Any]) -> int:
+        """Start or continue the slot's job; returns the offset of its log to copy from."""
+        name = self.spec.job
+        try:
+            job = engine.records.job(name)
+        except JobNotFound:
+            job = None
+        checkpoint = engine.records.latest_checkpoint(job.name) if job is not None else None
+        action = pod_policy.on_start(
+            None if job is None else str(job.state), checkpoint is not None, "ended" in previous
+        )
+        if job is not None and action != pod_policy.Start.RESUME:
+            self._end_previous(engine, previous)
+        if action != pod_policy.Start.COLD and checkpoint is not None:
+            age = time.time() - checkpoint.created_at
+            taken = f" taken on {previous['node']}" if previous.get("node") else ""
+            try:
+                offset = self._log_size(engine)
+                engine.restore(name, lazy=self.spec.lazy, progress=self.say, warn=self.say)
+                how = "resumed its hibernated job" if action == pod_policy.Start.RESUME else "recovered"
+                self.say(f"{how}: restored from {checkpoint.id}{taken} {_ago(age)} ago")
+                return offset
+            except TorporError as exc:
+                self.say(f"cannot restore {checkpoint.id}: {exc.message}; starting the command cold")
+        if job is not None:
+            engine.remove(name)
+            if "ended" in previous:
+                self.say("the job ended in an earlier pod: starting the command cold")
+        engine.run(name, self.spec.command, os.getcwd())
+        return 0
+
+    def _end_previous(self, engine: Engine, previous: dict[str, Any]) -> None:
+        """Make sure nothing of the job runs any more before it is restored or started again.
+
+        The pod that ran it is gone (this one holds the slot). On another machine (or after a reboot),
+        the processes the record names went with it, and their pids here are someone else's: the
+        record is marked failed without them. On this same boot, processes that outlived their
+        supervisor (as only outside a container they can) are stopped."""
+        job = engine.records.job(self.spec.job)
+        name = job.name
+        if previous.get("boot") != procfs.boot_id():
+            if job.state in SUPERVISED_STATES or job.pid is not None:
+                why = f"its {previous.get('pod', 'pod')} went away"
+                engine.records.set_fields(name, pid=None, pid_ticks=None, launcher_pid=None, message=why)
+                if job.state in SUPERVISED_STATES:
+                    engine.records.transition(name, {job.state}, JobState.FAILED)
+            return
+        job = engine.reconcile(job)
+        if job.state in LIVE_STATES or unsupervised(job):
+            self.say(f"stopping what is left of the job of {previous.get('pod', 'the previous pod')}")
+            engine.stop(name)
+
+    def _log_size(self, engine: Engine) -> int:
+        try:
+            return engine.log_path(self.spec.job).stat().st_size
+        except (OSError, TorporError):
+            return 0
+
+    # -- supervising ------------------------------------------------------------------------------------
+
+    def _supervise(self, engine: Engine, slot: Slot) -> int:
+        name = self.spec.job
+        while True:
+            if self.stopping.wait(0.2):
+                return self._hibernate(engine, slot)
+            job = engine.reconcile(engine.records.job(name))
+            if job.state not in SUPERVISED_STATES:
+                code = job.exit_code if job.exit_code is not None else 1
+                self.say(f"the job ended by itself (exit code {code}{_because(job.message)})")
+                slot.record(self.spec.pod, ended=code, ended_at=time.time())
+                engine.remove(name)
+                return code
+            if self.spec.every_s and job.state == JobState.RUNNING:
+                self._maybe_checkpoint(engine, job.started_at or job.created_at)
+
+    def _maybe_checkpoint(self, engine: Engine, running_since: float) -> None:
+        assert self.spec.every_s
+        checkpoints = engine.records.checkpoints(self.spec.job)
+        # a checkpoint that failed is tried again an interval later, not at once
+        tried = [t for t in (checkpoints[-1].created_at if checkpoints else None, self._tried_at) if t]
+        freezes = [c.freeze_s for c in checkpoints]
+        due = periodic.next_due(
+            self.spec.every_s, DEFAULT_BUDGET, freezes, max(tried, default=None), running_since
+        )
+        if time.time() < due:
+            return
+        self._tried_at = time.time()
+        try:
+            checkpoint = engine.checkpoint(self.spec.job, warn=self.say)
+            self.say(f"periodic checkpoint {checkpoint.id}: frozen {checkpoint.freeze_s:.3f} s")
+        except TorporError as exc:
+            self.say(f"periodic checkpoint failed: {exc.message}")
+
+    def _hibernate(self, engine: Engine, slot: Slot) -> int:
+        name = self.spec.job
+        job = engine.reconcile(engine.records.job(name))
+        deadline = time.monotonic() + 30
+        while job.state in LIVE_STATES - {JobState.RUNNING} and time.monotonic() < deadline:
+            time.sleep(0.1)  # starting, or a periodic checkpoint: let it settle
+            job = engine.reconcile(engine.records.job(name))
+        if job.state != JobState.RUNNING:
+            self.say(f"asked to stop; the job is {job.state}")
+            return 0
+        self.say("asked to stop: hibernating the job")
+        try:
+            checkpoint = engine.checkpoint(name, hibernate=True, progress=self.say, warn=self.say)
+            engine.wait_durable(checkpoint.id, progress=self.say)
+        except TorporError as exc:
+            self.say(f"cannot hibernate the job, stopping it instead: {exc.message}")
+            for line in exc.details:
+                self.say(f"  {line}")
+            with contextlib.suppress(TorporError):
+                engine.stop(name)
+            return 143
+        self.say(
+            f"hibernated by torpor: checkpoint {checkpoint.id}, frozen {checkpoint.freeze_s:.3f} s, "
+            f"{checkpoint.size_bytes / 2**20:.0f} MiB"
+        )
+        slot.record(self.spec.pod, hibernated=checkpoint.id, hibernated_at=time.time())
+        return 0
+
+    def _follow(self, engine: Engine, offset: int) -> None:
+        """Copy the job's output from ``offset`` to our stdout while we run."""
+        try:
+            handle = open(engine.log_path(self.spec.job), "rb")  # noqa: SIM115 - kept open while following
+        except (OSError, TorporError):
+            return
+        with handle:
+            handle.seek(offset)
+            while True:
+                done = self._done.is_set()  # before the read: what was written until then is copied
+                chunk = handle.read(1 << 16)
+                if chunk:
+                    with contextlib.suppress(OSError):
+                        self.out.write(chunk)
+                        self.out.flush()
+                elif done:
+                    return
+                else:
+                    time.sleep(0.1)
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _because(message: str | None) -> str:
+    return f": {message}" if message else ""
+
+
+def install_signal_handlers(supervisor: Supervisor) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, supervisor.request_stop)

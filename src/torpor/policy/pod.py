@@ -1,0 +1,101 @@
+"""What torpor does for a Kubernetes pod, decided from what it is told: pure.
+
+* :func:`identity` — which checkpoints a pod's job is the continuation of (its *identity*): the
+  ``torpor.dev/identity`` annotation, else a StatefulSet's pod name, else the pod's controller and the
+  container, else the bare pod's name and the container. Always within the pod's namespace.
+* :func:`on_start` — what the in-pod supervisor does when its pod starts: resume a hibernated job,
+  recover the job of a pod that went away without hibernating it (its latest checkpoint), or start
+  the command cold.
+* :func:`grace_for` — the termination grace a pod gets, long enough to hibernate its job.
+
+The supervisor (``torpor.core.pod``) reads records and signals and acts on these answers; the admission
+webhook (``torpor.core.admission``) computes the identity once, when the pod is created.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+#: the label a user puts on a pod (or a pod template) to have it hibernated instead of killed
+OPT_IN_LABEL = "torpor.dev/checkpoint"
+IDENTITY_ANNOTATION = "torpor.dev/identity"
+EVERY_ANNOTATION = "torpor.dev/checkpoint-every"
+LAZY_ANNOTATION = "torpor.dev/lazy-restore"
+
+#: what an identity's parts may be: a DNS label, as namespaces and most object names are
+_PART = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A controller that owns the pod (its ``ownerReferences`` entry with ``controller: true``)."""
+
+    kind: str
+    name: str
+
+
+def identity(
+    namespace: str, pod_name: str, container: str, owner: Owner | None = None, annotation: str | None = None
+) -> str:
+    """The identity ``NAMESPACE/…`` of a pod's container; ``ValueError`` (saying why) if none can be made.
+
+    - ``torpor.dev/identity: NAME``: ``NAMESPACE/NAME`` — the user says which pods continue each other.
+    - a StatefulSet's pod: ``NAMESPACE/POD`` — its name (``web-0``) is what is stable across nodes.
+    - another controller's (a Job, a ReplicaSet): ``NAMESPACE/KIND-NAME/CONTAINER``. Its pods are
+      interchangeable; each running one takes a free slot of the identity (:func:`slot_name`), and a
+      new pod continues one whose pod went away.
+    - a bare pod: ``NAMESPACE/pod-NAME/CONTAINER``: the same pod created again.
+    """
+    if not _PART.match(namespace):
+        raise ValueError(f"namespace '{namespace}' is not a DNS label")
+    if annotation is not None:
+        if not _PART.match(annotation):
+            raise ValueError(
+                f"{IDENTITY_ANNOTATION} '{annotation}' must be lowercase letters, digits, '-' and '.'"
+            )
+        return f"{namespace}/{annotation}"
+    if owner is not None and owner.kind == "StatefulSet":
+        parts = [pod_name]
+    elif owner is not None:
+        parts = [f"{owner.kind.lower()}-{owner.name}", container]
+    else:
+        parts = [f"pod-{pod_name}", container]
+    for part in parts:
+        if not _PART.match(part):
+            raise ValueError(f"'{part}' cannot name an identity (no name yet, or not a DNS label)")
+    return "/".join([namespace, *parts])
+
+
+def slot_name(n: int) -> str:
+    """The folder of an identity's ``n``-th slot: one per pod of that identity running at once."""
+    return f"slot-{n}"
+
+
+class Start(StrEnum):
+    COLD = "cold"  # run the command: there is nothing to continue
+    RESUME = "resume"  # restore the hibernated job
+    RECOVER = "recover"  # its pod went away without hibernating it: restore its latest checkpoint
+
+
+def on_start(state: str | None, has_checkpoint: bool, ended: bool) -> Start:
+    """What a pod's supervisor does with its slot's job when it starts.
+
+    ``state``: the job's recorded state (``None``: no job yet). ``ended``: the job exited by itself in
+    an earlier pod, which ends the identity: nothing restores. A hibernated job resumes. A job recorded
+    in any other state was left by a pod that went away without hibernating it (deleted with
+    ``--grace-period=0``, its node gone, its supervisor killed): its latest checkpoint is restored,
+    or the command starts cold if it has none.
+    """
+    if state is None or ended:
+        return Start.COLD
+    if state == "hibernated" and has_checkpoint:
+        return Start.RESUME
+    return Start.RECOVER if has_checkpoint else Start.COLD
+
+
+def grace_for(requested_s: float | None, minimum_s: float) -> float:
+    """The termination grace a pod gets: what it asked, or ``minimum_s`` where that is longer (the
+    Kubernetes default, 30 s, when it asked nothing)."""
+    return max(30.0 if requested_s is None else requested_s, minimum_s)

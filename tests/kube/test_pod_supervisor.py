@@ -1,0 +1,171 @@
+"""The in-pod supervisor (``torpor pod``) on this machine, with real CRIU: pods are played by processes
+that share a store folder, as pods on two nodes share the store volume. Kubernetes itself is in
+test_cluster.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, TORPOR
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+
+class Pod:
+    """One `torpor pod` process, its stdout (the job's output) and stderr (the supervisor's lines)."""
+
+    def __init__(
+        self, store: Path, env: dict[str, str], name: str, *command: str, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.out = store.parent / f"{name}.out"
+        self.err = store.parent / f"{name}.err"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.process = subprocess.Popen(
+                [TORPOR, "pod", "--store", str(store), *extra, "--", *command],
+                stdout=out,
+                stderr=err,
+                env={**env, "TORPOR_POD_NAME": name, "TORPOR_NODE_NAME": f"node-of-{name}"},
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def said(self) -> str:
+        return self.err.read_text()
+
+    def wait_output(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if found := re.search(pattern, self.output(), re.M):
+                return found
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern!r} in the output: {self.output()[-500:]}\nsaid: {self.said()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def steps(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^step (\d+)$", text, re.M)]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    hot = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "TORPOR_HOT_DIR": str(hot),
+        "PYTHONUNBUFFERED": "1",
+        "TORPOR_IDENTITY": "team-a/web-0",
+    }
+    env.pop("TORPOR_HOME", None)
+    yield tmp_path / "store", env
+    for home in (tmp_path / "store").glob("**/slot-*/"):  # what a failed test left running
+        jobs = subprocess.run(
+            [TORPOR, "--home", str(home), "ps", "--json"], capture_output=True, text=True, env=env
+        )
+        for job in json.loads(jobs.stdout or "[]"):
+            subprocess.run(
+                [TORPOR, "--home", str(home), "rm", "--force", job["name"]], capture_output=True, env=env
+            )
+    shutil.rmtree(hot, ignore_errors=True)
+
+
+def test_a_pod_stopped_hibernates_its_job_and_the_next_pod_of_its_identity_resumes_it(
+    store: tuple[Path, dict[str, str]],
+) -> None:
+    folder, env = store
+    first = Pod(folder, env, "a", "python3", "-u", str(JOBS / "counter.py"))
+    first.wait_output(r"^step 5$")
+    assert first.stop() == 0
+    last = steps(first.output())[-1]
+    assert "hibernated by torpor: checkpoint" in first.said()
+    slot = json.loads((folder / "team-a/web-0/slot-0.json").read_text())
+    assert slot["hibernated"] and slot["node"] == "node-of-a"
+
+    second = Pod(folder, env, "b", "python3", "-u", str(JOBS / "counter.py"))
+    second.wait_output(rf"^step {last + 3}$")
+    assert steps(second.output())[0] == last + 1  # where it was: not from 0, nothing repeated
+    assert re.search(r"resumed its hibernated job: restored from \w+ taken on node-of-a", second.said())
+    # a third pod of the same identity waits while the second holds it: never two copies running
+    third = Pod(folder, env, "c", "python3", "-u", str(JOBS / "counter.py"))
+    deadline = time.monotonic() + 30
+    while "waiting for" not in third.said() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "waiting for pod b on node-of-b" in third.said() and third.output() == ""
+    assert second.stop() == 0
+    after = steps(second.output())[-1]
+    third.wait_output(rf"^step {after + 2}$")  # it took over once the second let go
+    assert third.stop() == 0
+
+
+def test_a_job_that_exits_ends_its_identity_with_its_exit_code(store: tuple[Path, dict[str, str]]) -> None:
+    folder, env = store
+    first = Pod(folder, env, "a", "python3", "-u", str(JOBS / "counter.py"), "3")
+    assert first.process.wait(60) == 3
+    assert steps(first.output()) == [0, 1, 2, 3, 4]
+    assert "the job ended by itself (exit code 3" in first.said()
+    second = Pod(folder, env, "b", "python3", "-u", str(JOBS / "counter.py"))
+    second.wait_output(r"^step 2$")
+    assert steps(second.output())[0] == 0  # started over: nothing of the ended job is restored
+    assert second.stop() == 0
+
+
+def test_a_pod_that_vanished_is_continued_from_its_last_periodic_checkpoint(
+    store: tuple[Path, dict[str, str]],
+) -> None:
+    folder, env = store
+    first = Pod(
+        folder, env, "a", "python3", "-u", str(JOBS / "counter.py"), extra=("--checkpoint-every", "1s")
+    )
+    deadline = time.monotonic() + 60
+    while "periodic checkpoint" not in first.said() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "periodic checkpoint" in first.said(), first.said()
+    # the pod is gone at once, its job with it (its node died): no hibernation
+    home = folder / "team-a/web-0/slot-0"
+    job = json.loads(
+        subprocess.run(
+            [TORPOR, "--home", str(home), "ps", "--json"], capture_output=True, text=True, env=env
+        ).stdout
+    )[0]
+    os.killpg(first.process.pid, signal.SIGKILL)
+    os.kill(job["pid"], signal.SIGKILL)
+    first.process.wait(10)
+    seen = steps(first.output())
+
+    second = Pod(folder, env, "b", "python3", "-u", str(JOBS / "counter.py"))
+    found = second.wait_output(r"^step (\d+)$")
+    assert 0 < int(found.group(1)) <= seen[-1] + 1  # from the checkpoint: some steps again, not from 0
+    assert re.search(r"recovered: restored from \w+ taken on node-of-a", second.said())
+    assert second.stop() == 0
+
+
+def test_a_job_that_cannot_be_hibernated_is_stopped_the_plain_way_saying_why(
+    store: tuple[Path, dict[str, str]],
+) -> None:
+    folder, env = store
+    first = Pod(folder, env, "a", "python3", "-u", str(JOBS / "io_uring_job.py"), "fd")
+    first.wait_output(r"^tick 3$")
+    assert first.stop(timeout=30) == 143
+    assert "cannot hibernate the job, stopping it instead" in first.said() and "io_uring" in first.said()
+    # nothing to continue: the next pod starts the command again
+    second = Pod(folder, env, "b", "python3", "-u", str(JOBS / "io_uring_job.py"), "fd")
+    second.wait_output(r"^tick 1$")
+    assert second.output().startswith("ready")
+    assert second.stop(timeout=30) == 143

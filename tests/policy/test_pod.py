@@ -1,0 +1,57 @@
+"""A pod's identity and what its supervisor does when it starts (torpor.policy.pod)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor.policy.pod import Owner, Start, grace_for, identity, on_start, slot_name
+
+
+def test_an_identity_is_the_annotation_else_the_statefulset_pod_else_the_controller_else_the_pod() -> None:
+    sts = Owner("StatefulSet", "web")
+    assert identity("team-a", "web-0", "main", sts, annotation="trainer") == "team-a/trainer"
+    assert identity("team-a", "web-0", "main", sts) == "team-a/web-0"
+    assert (
+        identity("team-a", "", "main", Owner("ReplicaSet", "api-5d9f")) == "team-a/replicaset-api-5d9f/main"
+    )
+    assert identity("team-a", "", "worker", Owner("Job", "etl")) == "team-a/job-etl/worker"
+    assert identity("team-a", "notebook", "main") == "team-a/pod-notebook/main"
+
+
+@pytest.mark.parametrize(
+    ("namespace", "pod", "annotation", "why"),
+    [
+        ("team-a", "nb", "../team-b/x", "must be lowercase"),
+        ("team-a", "nb", "Trainer", "must be lowercase"),
+        ("team-a", "", None, "no name yet"),  # a bare pod named by generateName: nothing stays the same
+        ("Team_A", "nb", None, "not a DNS label"),
+    ],
+)
+def test_what_cannot_name_an_identity_is_refused_saying_why(
+    namespace: str, pod: str, annotation: str | None, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        identity(namespace, pod, "main", None, annotation)
+
+
+def test_a_hibernated_job_resumes_a_lost_one_is_recovered_an_ended_one_starts_over() -> None:
+    assert on_start(None, has_checkpoint=False, ended=False) == Start.COLD
+    assert on_start("hibernated", has_checkpoint=True, ended=False) == Start.RESUME
+    # its pod went away while it ran (grace period 0, node lost): the latest periodic checkpoint
+    assert on_start("running", has_checkpoint=True, ended=False) == Start.RECOVER
+    assert on_start("hibernating", has_checkpoint=True, ended=False) == Start.RECOVER
+    assert (
+        on_start("failed", has_checkpoint=True, ended=False) == Start.RECOVER
+    )  # stopped when it could not hibernate
+    assert on_start("running", has_checkpoint=False, ended=False) == Start.COLD
+    # a job that exited by itself ended its identity: whatever is left, nothing restores
+    assert on_start("exited", has_checkpoint=True, ended=True) == Start.COLD
+    assert on_start("hibernated", has_checkpoint=True, ended=True) == Start.COLD
+
+
+def test_the_grace_is_long_enough_to_hibernate() -> None:
+    assert grace_for(None, 60) == 60
+    assert grace_for(10, 60) == 60
+    assert grace_for(300, 60) == 300
+    assert grace_for(None, 5) == 30  # Kubernetes' default when the pod asks nothing
+    assert slot_name(0) == "slot-0"
