@@ -69,6 +69,7 @@ def test_an_opted_in_pod_runs_its_command_under_torpor_with_the_store_and_the_pr
     env = env_of(main)
     assert env["TORPOR_IDENTITY"] == "team-a/train-0" and env["TORPOR_INTERCHANGEABLE"] == "0"
     assert env["TORPOR_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert json.loads(env["TORPOR_POD_NEEDS"]) == {"image": "trainer:1", "volumes": []}  # not torpor's own
     mounts = {m["name"]: m for m in main["volumeMounts"]}
     assert mounts["torpor-store"]["subPath"] == "team-a"  # a pod sees its own namespace's checkpoints only
     assert mounts["torpor-bin-0"] == {"name": "torpor-bin-0", "mountPath": "/opt/torpor", "readOnly": True}

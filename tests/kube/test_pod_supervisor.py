@@ -169,3 +169,20 @@ def test_a_job_that_cannot_be_hibernated_is_stopped_the_plain_way_saying_why(
     second.wait_output(r"^tick 1$")
     assert second.output().startswith("ready")
     assert second.stop(timeout=30) == 143
+
+
+def test_a_pod_with_another_image_starts_cold_saying_why(store: tuple[Path, dict[str, str]]) -> None:
+    folder, env = store
+    old = {**env, "TORPOR_POD_NEEDS": json.dumps({"image": "counter:1", "volumes": []})}
+    first = Pod(folder, old, "a", "python3", "-u", str(JOBS / "counter.py"))
+    first.wait_output(r"^step 3$")
+    assert first.stop() == 0
+    new = {**env, "TORPOR_POD_NEEDS": json.dumps({"image": "counter:2", "volumes": []})}
+    second = Pod(folder, new, "b", "python3", "-u", str(JOBS / "counter.py"))
+    second.wait_output(r"^step 1$")
+    assert steps(second.output())[0] == 0
+    assert (
+        "not restoring the job of pod a on node-of-a: its image differs (counter:1 then, counter:2 now)"
+        in (second.said())
+    )
+    assert second.stop() == 0

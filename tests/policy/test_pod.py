@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torpor.policy.pod import Owner, Start, grace_for, identity, on_start, slot_name
+from torpor.policy.pod import Owner, Start, grace_for, identity, mismatch, needs, on_start, slot_name
 
 
 def test_an_identity_is_the_annotation_else_the_statefulset_pod_else_the_controller_else_the_pod() -> None:
@@ -55,3 +55,34 @@ def test_the_grace_is_long_enough_to_hibernate() -> None:
     assert grace_for(300, 60) == 300
     assert grace_for(None, 5) == 30  # Kubernetes' default when the pod asks nothing
     assert slot_name(0) == "slot-0"
+
+
+def test_a_pod_continues_a_job_only_with_the_same_image_and_volumes() -> None:
+    volumes = [
+        {"name": "data", "persistentVolumeClaim": {"claimName": "data-web-0"}},
+        {"name": "conf", "configMap": {"name": "web", "items": []}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "data", "mountPath": "/data"},
+        {"name": "conf", "mountPath": "/etc/web", "subPath": "web.conf"},
+        {"name": "scratch", "mountPath": "/tmp"},
+    ]
+    then = needs("web:1", mounts, volumes)
+    assert then == {
+        "image": "web:1",
+        "volumes": [
+            "/data <- persistentVolumeClaim:data-web-0",
+            "/etc/web <- configMap:web/web.conf",
+            "/tmp <- emptyDir:",
+        ],
+    }
+    assert (
+        mismatch(then, needs("web:1", list(reversed(mounts)), volumes)) is None
+    )  # order is not a difference
+    assert mismatch(then, needs("web:2", mounts, volumes)) == "its image differs (web:1 then, web:2 now)"
+    other = [{**volumes[0], "persistentVolumeClaim": {"claimName": "data-web-1"}}, *volumes[1:]]
+    assert mismatch(then, needs("web:1", mounts, other)) == (
+        "its volumes differ (-/data <- persistentVolumeClaim:data-web-0, +/data <- persistentVolumeClaim:data-web-1)"
+    )
+    assert mismatch({}, then) is None and mismatch(then, {}) is None  # a pod the webhook did not make

@@ -12,7 +12,8 @@ A pod labelled ``torpor.dev/checkpoint: "true"`` gets its main container (the fi
 - the hot tier: an ``emptyDir`` in memory, so that a checkpoint is not bounded by the container's
   64 MiB ``/dev/shm``;
 - who it is: the identity (:func:`torpor.policy.pod.identity`), the pod's name, namespace, uid and node
-  (the downward API);
+  (the downward API), and what its job depends on (its image and volumes, :func:`torpor.policy.pod.needs`),
+  which a later pod must match to continue it;
 - the privileges CRIU needs (``privileged``, or the capabilities the reference lists with seccomp
   unconfined), and a termination grace long enough to hibernate.
 
@@ -22,6 +23,7 @@ a container it cannot find) is admitted unchanged, and the reason is a warning.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +139,10 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
             return _unchanged(f"{pod_policy.EVERY_ANNOTATION}: {exc}")
     lazy = str(annotations.get(pod_policy.LAZY_ANNOTATION, "")).lower() == "true"
 
+    # what the job depends on, before torpor's own mounts are added: compared by the next pod
+    needs = pod_policy.needs(
+        str(container.get("image", "")), container.get("volumeMounts") or (), spec.get("volumes") or ()
+    )
     at = f"/spec/containers/{index}"
     patch: list[dict[str, Any]] = [
         _set(
@@ -154,6 +160,7 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
         {"name": "TORPOR_INTERCHANGEABLE", "value": "1" if interchangeable else "0"},
         {"name": "TORPOR_HOT_DIR", "value": HOT_MOUNT},
         {"name": "TORPOR_LAZY_RESTORE", "value": "1" if lazy else "0"},
+        {"name": "TORPOR_POD_NEEDS", "value": json.dumps(needs, sort_keys=True)},
         *([{"name": "TORPOR_CHECKPOINT_EVERY", "value": str(every)}] if every else []),
         *_field_env("TORPOR_POD_NAME", "metadata.name"),
         *_field_env("TORPOR_POD_NAMESPACE", "metadata.namespace"),

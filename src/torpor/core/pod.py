@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,6 +55,8 @@ class PodInfo:
     namespace: str = ""
     uid: str = ""
     node: str = ""
+    #: what the job depends on (its image and volumes: torpor.policy.pod.needs); {} if not said
+    needs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_environment(cls) -> PodInfo:
@@ -64,6 +66,7 @@ class PodInfo:
             env.get("TORPOR_POD_NAMESPACE", ""),
             env.get("TORPOR_POD_UID", ""),
             env.get("TORPOR_NODE_NAME", ""),
+            _json_object(env.get("TORPOR_POD_NEEDS", "")),
         )
 
     def describe(self) -> str:
@@ -147,8 +150,15 @@ class Slot:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return _json_object(path.read_text())
+    except OSError:
+        return {}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -175,7 +185,9 @@ class Supervisor:
         folder = identity_dir(self.spec.store, self.spec.identity)
         with Slot.take(folder, self.spec.interchangeable, self.say) as slot:
             previous = slot.previous()
-            slot.record(self.spec.pod, started_at=time.time(), boot=procfs.boot_id())
+            slot.record(
+                self.spec.pod, started_at=time.time(), boot=procfs.boot_id(), needs=self.spec.pod.needs
+            )
             engine = Engine(replace(self.settings, home=slot.home))
             offset = self._start(engine, slot, previous)
             follower = threading.Thread(target=self._follow, args=(engine, offset), daemon=True)
@@ -201,6 +213,12 @@ class Supervisor:
         )
         if job is not None and action != pod_policy.Start.RESUME:
             self._end_previous(engine, previous)
+        differs = pod_policy.mismatch(previous.get("needs") or {}, self.spec.pod.needs)
+        if action != pod_policy.Start.COLD and differs is not None:
+            self.say(
+                f"not restoring the job of {previous.get('pod', 'the previous pod')}: {differs}; starting cold"
+            )
+            action = pod_policy.Start.COLD
         if action != pod_policy.Start.COLD and checkpoint is not None:
             age = time.time() - checkpoint.created_at
             taken = f" taken on {previous['node']}" if previous.get("node") else ""

@@ -7,6 +7,8 @@
   recover the job of a pod that went away without hibernating it (its latest checkpoint), or start
   the command cold.
 * :func:`grace_for` — the termination grace a pod gets, long enough to hibernate its job.
+* :func:`mismatch` — why a pod cannot continue the job of an earlier one: its image or its volumes
+  differ (the job's files would not be there, or not the same).
 
 The supervisor (``torpor.core.pod``) reads records and signals and acts on these answers; the admission
 webhook (``torpor.core.admission``) computes the identity once, when the pod is created.
@@ -15,6 +17,7 @@ webhook (``torpor.core.admission``) computes the identity once, when the pod is 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -99,3 +102,44 @@ def grace_for(requested_s: float | None, minimum_s: float) -> float:
     """The termination grace a pod gets: what it asked, or ``minimum_s`` where that is longer (the
     Kubernetes default, 30 s, when it asked nothing)."""
     return max(30.0 if requested_s is None else requested_s, minimum_s)
+
+
+def needs(
+    image: str, mounts: Sequence[Mapping[str, object]], volumes: Sequence[Mapping[str, object]]
+) -> dict[str, object]:
+    """What a container's job depends on, to compare between pods: its image, and each of its mounts as
+    ``PATH <- KIND:SOURCE`` (a PersistentVolumeClaim's name, a host path, a ConfigMap's name...;
+    an ``emptyDir`` is new in every pod, and listed as such)."""
+    by_name = {str(v.get("name")): v for v in volumes}
+    listed = []
+    for mount in mounts:
+        volume = by_name.get(str(mount.get("name")), {})
+        kind = next((k for k in sorted(volume) if k != "name"), "unknown")
+        source = volume.get(kind)
+        key = ""
+        if isinstance(source, Mapping):
+            for field in ("claimName", "path", "name", "secretName", "server"):
+                if field in source:
+                    key = str(source[field])
+                    break
+        sub = f"/{mount['subPath']}" if mount.get("subPath") else ""
+        listed.append(f"{mount.get('mountPath')} <- {kind}:{key}{sub}")
+    return {"image": image, "volumes": sorted(listed)}
+
+
+def mismatch(then: Mapping[str, object], now: Mapping[str, object]) -> str | None:
+    """Why a pod whose job depends on ``now`` cannot continue one that depended on ``then`` (None: it
+    can). A side that says nothing (a pod not made by the webhook) is not compared."""
+    if not then or not now:
+        return None
+    if then.get("image") != now.get("image"):
+        return f"its image differs ({then.get('image')} then, {now.get('image')} now)"
+    before, after = _strings(then.get("volumes")), _strings(now.get("volumes"))
+    if before != after:
+        changes = [f"-{v}" for v in sorted(before - after)] + [f"+{v}" for v in sorted(after - before)]
+        return f"its volumes differ ({', '.join(changes)})"
+    return None
+
+
+def _strings(value: object) -> set[str]:
+    return {str(item) for item in value} if isinstance(value, list | tuple) else set()
