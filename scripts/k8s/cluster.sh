@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# A real Kubernetes v1.20.2 cluster on this one machine: etcd and the control plane on loopback, and
-# NODES kubelet nodes (node1, node2, ...), each with a containerd of its own, on a CNI bridge (pods
-# 10.88.0.0/24, no route from the host to them, the firewall untouched). Images are built locally:
+# A real Kubernetes v1.20.2 cluster on this one machine: etcd on loopback, the control plane on the
+# first node's address, and NODES kubelet nodes (node1, node2, ...) at 10.254.254.N on a bridge of
+# their own, each with a containerd of its own. Pods are on a CNI bridge (10.88.0.0/24) with one
+# route, to the node addresses through the host (10.88.0.1), where they reach the apiserver: nothing
+# masqueraded, the firewall and forwarding untouched. Images are built locally:
 # localhost/pause:3.4 (the sandbox) and localhost/hostusr:1 (an empty usr-merged skeleton that a pod
 # fills by mounting the host's /usr). Learnt from ../shared/reference/kubernetes.md.
 #
@@ -33,17 +35,22 @@ stop_pid() {  # stop_pid FILE: the process it names, TERM then KILL
 control_plane() {
     local r=$W/cp
     mkdir -p "$r/pki"
-    if [ ! -f "$r/pki/admin.crt" ]; then
+    if [ ! -f "$r/pki/apiserver.crt" ]; then
         (cd "$r/pki"
          openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 3650 -subj /CN=torpor-test-ca 2>/dev/null
          openssl req -newkey rsa:2048 -nodes -keyout admin.key -out admin.csr -subj /O=system:masters/CN=admin 2>/dev/null
          openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out admin.crt -days 3650 2>/dev/null
-         openssl genrsa -out sa.key 2048 2>/dev/null && openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null)
+         openssl genrsa -out sa.key 2048 2>/dev/null && openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+         # the apiserver's own certificate, from the same CA that pods trust (their service account's ca.crt)
+         openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj /CN=kube-apiserver 2>/dev/null
+         printf 'subjectAltName=IP:%s.1,IP:127.0.0.1,IP:10.96.0.1,DNS:kubernetes.default.svc,DNS:localhost\n' "$NODE_NET" > apiserver.ext
+         openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
+             -extfile apiserver.ext -out apiserver.crt 2>/dev/null)
     fi
     cat > "$r/kubeconfig" <<KC
 apiVersion: v1
 kind: Config
-clusters: [{name: t, cluster: {server: "https://127.0.0.1:$API_PORT", certificate-authority: $r/certs/apiserver.crt}}]
+clusters: [{name: t, cluster: {server: "https://$NODE_NET.1:$API_PORT", certificate-authority: $r/pki/ca.crt}}]
 users: [{name: admin, user: {client-certificate: $r/pki/admin.crt, client-key: $r/pki/admin.key}}]
 contexts: [{name: t, context: {cluster: t, user: admin, namespace: default}}]
 current-context: t
@@ -54,8 +61,10 @@ KC
         --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" --initial-cluster "default=http://127.0.0.1:$etcd_peer" \
         --unsafe-no-fsync --log-level warn --logger zap > "$r/etcd.log" 2>&1 &
     echo $! > "$r/etcd.pid"
-    "$B/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_client" --bind-address=127.0.0.1 \
-        --advertise-address=127.0.0.1 --secure-port="$API_PORT" --insecure-port=0 --cert-dir="$r/certs" \
+    # on the first node's address: the pods reach it there too (their events), the host as well
+    "$B/kube-apiserver" --etcd-servers="http://127.0.0.1:$etcd_client" --bind-address="$NODE_NET.1" \
+        --advertise-address="$NODE_NET.1" --secure-port="$API_PORT" --insecure-port=0 \
+        --tls-cert-file="$r/pki/apiserver.crt" --tls-private-key-file="$r/pki/apiserver.key" \
         --client-ca-file="$r/pki/ca.crt" --authorization-mode=RBAC \
         --service-account-issuer=https://kubernetes.default.svc.cluster.local \
         --service-account-key-file="$r/pki/sa.pub" --service-account-signing-key-file="$r/pki/sa.key" \
@@ -63,8 +72,8 @@ KC
         --kubelet-preferred-address-types=InternalIP > "$r/apiserver.log" 2>&1 &
     echo $! > "$r/apiserver.pid"
     for _ in $(seq 600); do
-        curl -sf --cacert "$r/certs/apiserver.crt" --cert "$r/pki/admin.crt" --key "$r/pki/admin.key" \
-            "https://127.0.0.1:$API_PORT/readyz" >/dev/null 2>&1 && break
+        curl -sf --cacert "$r/pki/ca.crt" --cert "$r/pki/admin.crt" --key "$r/pki/admin.key" \
+            "https://$NODE_NET.1:$API_PORT/readyz" >/dev/null 2>&1 && break
         kill -0 "$(cat "$r/apiserver.pid")" || { tail -20 "$r/apiserver.log" >&2; exit 1; }
         sleep 0.1
     done
@@ -174,8 +183,9 @@ up() {
     mkdir -p "$W/cni" /run/torpor-k8s
     cat > "$W/cni/10-torpor-test.conflist" <<CNI
 {"cniVersion": "0.4.0", "name": "torpor-test", "plugins": [
-  {"type": "bridge", "bridge": "cni0", "isGateway": false, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/24"}]], "dataDir": "$W/cni-ipam"}},
+  {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/24"}]], "dataDir": "$W/cni-ipam",
+            "routes": [{"dst": "$NODE_NET.0/24"}]}},
   {"type": "loopback"}]}
 CNI
     # the kubelet rewrites these at start: kept to be put back by 'down'

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "scripts/k8s/cluster.sh"
 CACHE = Path(os.environ.get("TORPOR_K8S_CACHE", "/var/cache/torpor-k8s"))
 WORK = Path(os.environ.get("TORPOR_K8S_WORK", "/var/tmp/torpor-k8s"))
+API_ADDRESS = "10.254.254.1:16443"  # scripts/k8s/cluster.sh
 
 
 def kubernetes_missing() -> str | None:
@@ -79,6 +80,16 @@ class Cluster:
     def logs(self, namespace: str, pod: str) -> str:
         return self.kubectl("logs", "-n", namespace, pod, check=False)
 
+    def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
+        found = self.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={pod}")
+        return list(found["items"])
+
+    def namespace(self, name: str) -> None:
+        """A namespace whose pods may tell Kubernetes what torpor did (deploy/kubernetes/pod-access.yaml)."""
+        self.kubectl("create", "namespace", name)
+        text = (ROOT / "deploy/kubernetes/pod-access.yaml").read_text().replace("NAMESPACE", name)
+        self.kubectl("apply", "-f", "-", stdin=text)
+
 
 def _certificate(folder: Path) -> tuple[Path, Path]:
     cert, key = folder / "webhook.crt", folder / "webhook.key"
@@ -113,6 +124,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "store_host_path": str(store),
             "min_grace_s": 60,
             "hot_size": "512Mi",
+            # the pods reach the apiserver at the first node's address (there is no kube-proxy here)
+            "env": {"TORPOR_KUBE_API": f"https://{API_ADDRESS}"},
         }
         (folder / "webhook.json").write_text(json.dumps(config))
         cert, key = _certificate(folder)

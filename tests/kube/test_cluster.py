@@ -32,7 +32,10 @@ def counter_statefulset(namespace: str, name: str) -> dict[str, Any]:
             "replicas": 1,
             "selector": {"matchLabels": {"app": name}},
             "template": {
-                "metadata": {"labels": {"app": name, "torpor.dev/checkpoint": "true"}},
+                "metadata": {
+                    "labels": {"app": name, "torpor.dev/checkpoint": "true"},
+                    "annotations": {"torpor.dev/checkpoint-every": "3s"},
+                },
                 "spec": {
                     "containers": [
                         {
@@ -59,7 +62,7 @@ def counter_statefulset(namespace: str, name: str) -> dict[str, Any]:
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     name = "tpt-drain"
-    cluster.kubectl("create", "namespace", name)
+    cluster.namespace(name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
     for node in ("node1", "node2"):
@@ -99,3 +102,18 @@ def test_a_drained_node_s_statefulset_pod_is_hibernated_and_continues_on_the_oth
     output = (cluster.store / namespace / namespace / "counter-0/slot-0/jobs/main/output.log").read_text()
     everything = steps(output)
     assert everything == list(range(len(everything))) and everything[-1] >= after[-1]
+    # what torpor did, the Kubernetes way: events on the pod (the first one's outlive it), and when its
+    # job was last checkpointed
+    messages = {(e["reason"], e["message"]) for e in cluster.events(namespace, "counter-0")}
+    assert any(r == "Hibernated" and m.startswith("hibernated by torpor: checkpoint") for r, m in messages), (
+        messages,
+        log,
+    )
+    assert any(r == "Restored" and "taken on node1" in m for r, m in messages), messages
+    stamp = cluster.wait_for(
+        lambda: cluster.get("pod", "-n", namespace, "counter-0")["metadata"]["annotations"].get(
+            "torpor.dev/last-checkpoint"
+        ),
+        what="a periodic checkpoint on node2",
+    )
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)

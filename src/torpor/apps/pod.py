@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torpor.adapters import kubeapi
 from torpor.apps import webhook
 from torpor.core import pod
 from torpor.errors import UsageError
@@ -104,7 +105,7 @@ def cmd_pod(settings: Settings, args: argparse.Namespace) -> int:
         lazy=args.lazy,
         pod=pod.PodInfo.from_environment(),
     )
-    supervisor = pod.Supervisor(spec, settings)
+    supervisor = pod.Supervisor(spec, settings, api=kubeapi.KubeAPI.in_cluster())
     if os.getpid() == 1:
         return _as_init(supervisor)
     pod.install_signal_handlers(supervisor)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from torpor.adapters import kubeapi
 from torpor.adapters.system import private, procfs
 from torpor.core.engine import Engine, unsupervised
 from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, JobState
@@ -163,13 +164,58 @@ def _json_object(text: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+#: the annotation on the pod that says when its job was last checkpointed (RFC 3339), for schedulers
+#: that prefer as victims the pods that checkpointed recently
+LAST_CHECKPOINT_ANNOTATION = "torpor.dev/last-checkpoint"
+
+
+class Reporter:
+    """Events on the pod and its last-checkpoint annotation, through the Kubernetes API where the pod can
+    reach it (:mod:`torpor.adapters.kubeapi`). A failure is said once in the supervisor's log and never
+    stops anything: the job comes first."""
+
+    def __init__(self, pod: PodInfo, api: kubeapi.KubeAPI | None, say: Callable[[str], None]) -> None:
+        self.pod = pod
+        self.api = api if pod.name and pod.namespace else None
+        self._say = say
+        self._failed = False
+
+    def _try(self, call: Callable[[kubeapi.KubeAPI], None]) -> None:
+        if self.api is None:
+            return
+        try:
+            call(self.api)
+        except kubeapi.KubeError as exc:
+            if not self._failed:
+                self._say(f"cannot tell Kubernetes (events, annotations): {exc}")
+            self._failed = True
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self._try(
+            lambda api: api.event(self.pod.namespace, self.pod.name, self.pod.uid, reason, message, warning)
+        )
+
+    def checkpointed(self, at: float) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        self._try(
+            lambda api: api.annotate(self.pod.namespace, self.pod.name, {LAST_CHECKPOINT_ANNOTATION: stamp})
+        )
+
+
 class Supervisor:
     """Runs one pod's job through its life (see the module's docstring)."""
 
-    def __init__(self, spec: PodSpec, settings: Settings, out: IO[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        spec: PodSpec,
+        settings: Settings,
+        out: IO[bytes] | None = None,
+        api: kubeapi.KubeAPI | None = None,
+    ) -> None:
         self.spec = spec
         self.settings = settings
         self.out = out if out is not None else sys.stdout.buffer
+        self.report = Reporter(spec.pod, api, self.say)
         self.stopping = threading.Event()
         self._done = threading.Event()
         self._tried_at: float | None = None
@@ -177,13 +223,18 @@ class Supervisor:
     def say(self, text: str) -> None:
         print(f"torpor pod: {text}", file=sys.stderr, flush=True)
 
+    def tell(self, reason: str, text: str, warning: bool = False) -> None:
+        """Say ``text``, and make it an event on the pod."""
+        self.say(text)
+        self.report.event(reason, text, warning)
+
     def request_stop(self, *_: object) -> None:
         self.stopping.set()
 
     def run(self) -> int:
         """Start or continue the job, supervise it, and return the pod's exit code."""
         folder = identity_dir(self.spec.store, self.spec.identity)
-        with Slot.take(folder, self.spec.interchangeable, self.say) as slot:
+        with Slot.take(folder, self.spec.interchangeable, lambda text: self.tell("Waiting", text)) as slot:
             previous = slot.previous()
             slot.record(
                 self.spec.pod, started_at=time.time(), boot=procfs.boot_id(), needs=self.spec.pod.needs
@@ -215,8 +266,10 @@ class Supervisor:
             self._end_previous(engine, previous)
         differs = pod_policy.mismatch(previous.get("needs") or {}, self.spec.pod.needs)
         if action != pod_policy.Start.COLD and differs is not None:
-            self.say(
-                f"not restoring the job of {previous.get('pod', 'the previous pod')}: {differs}; starting cold"
+            self.tell(
+                "StartedCold",
+                f"not restoring the job of {previous.get('pod', 'the previous pod')}: {differs}; starting cold",
+                warning=True,
             )
             action = pod_policy.Start.COLD
         if action != pod_policy.Start.COLD and checkpoint is not None:
@@ -226,10 +279,14 @@ class Supervisor:
                 offset = self._log_size(engine)
                 engine.restore(name, lazy=self.spec.lazy, progress=self.say, warn=self.say)
                 how = "resumed its hibernated job" if action == pod_policy.Start.RESUME else "recovered"
-                self.say(f"{how}: restored from {checkpoint.id}{taken} {_ago(age)} ago")
+                self.tell("Restored", f"{how}: restored from {checkpoint.id}{taken} {_ago(age)} ago")
                 return offset
             except TorporError as exc:
-                self.say(f"cannot restore {checkpoint.id}: {exc.message}; starting the command cold")
+                self.tell(
+                    "StartedCold",
+                    f"cannot restore {checkpoint.id}: {exc.message}; starting the command cold",
+                    warning=True,
+                )
         if job is not None:
             engine.remove(name)
             if "ended" in previous:
@@ -296,6 +353,7 @@ class Supervisor:
         try:
             checkpoint = engine.checkpoint(self.spec.job, warn=self.say)
             self.say(f"periodic checkpoint {checkpoint.id}: frozen {checkpoint.freeze_s:.3f} s")
+            self.report.checkpointed(checkpoint.created_at)
         except TorporError as exc:
             self.say(f"periodic checkpoint failed: {exc.message}")
 
@@ -314,17 +372,23 @@ class Supervisor:
             checkpoint = engine.checkpoint(name, hibernate=True, progress=self.say, warn=self.say)
             engine.wait_durable(checkpoint.id, progress=self.say)
         except TorporError as exc:
-            self.say(f"cannot hibernate the job, stopping it instead: {exc.message}")
+            self.tell(
+                "HibernateFailed",
+                f"cannot hibernate the job, stopping it instead: {exc.message}",
+                warning=True,
+            )
             for line in exc.details:
                 self.say(f"  {line}")
             with contextlib.suppress(TorporError):
                 engine.stop(name)
             return 143
-        self.say(
-            f"hibernated by torpor: checkpoint {checkpoint.id}, frozen {checkpoint.freeze_s:.3f} s, "
-            f"{checkpoint.size_bytes / 2**20:.0f} MiB"
-        )
         slot.record(self.spec.pod, hibernated=checkpoint.id, hibernated_at=time.time())
+        self.tell(
+            "Hibernated",
+            f"hibernated by torpor: checkpoint {checkpoint.id}, frozen {checkpoint.freeze_s:.3f} s, "
+            f"{checkpoint.size_bytes / 2**20:.0f} MiB",
+        )
+        self.report.checkpointed(checkpoint.created_at)
         return 0
 
     def _follow(self, engine: Engine, offset: int) -> None:
