@@ -52,7 +52,9 @@ class Cluster:
         return result.stdout
 
     def apply(self, *documents: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", stdin="\n---\n".join(json.dumps(d) for d in documents))
+        self.kubectl(
+            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": documents})
+        )
 
     def get(self, *what: str) -> Any:
         return json.loads(self.kubectl("get", *what, "-o", "json"))

@@ -3,8 +3,14 @@ admission webhook, are hibernated when they are evicted and continue on the othe
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,10 +26,10 @@ def steps(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"^step (\d+)$", text, re.M)]
 
 
-def counter_statefulset(namespace: str, name: str) -> dict[str, Any]:
+def counter_statefulset(namespace: str, name: str, **pod_spec: Any) -> dict[str, Any]:
     """A StatefulSet of one pod that counts, opted in by its label; its program comes from the host
     (the test image is an empty skeleton that mounts the host's /usr)."""
-    return {
+    statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {"name": name, "namespace": namespace},
@@ -57,11 +63,13 @@ def counter_statefulset(namespace: str, name: str) -> dict[str, Any]:
             },
         },
     }
+    statefulset["spec"]["template"]["spec"].update(pod_spec)  # type: ignore[index]
+    return statefulset
 
 
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
-    name = "tpt-drain"
+    name = f"tpt-{uuid.uuid4().hex[:6]}"  # tpt-: what cluster.sh down clears of pod logs
     cluster.namespace(name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
@@ -117,3 +125,140 @@ def test_a_drained_node_s_statefulset_pod_is_hibernated_and_continues_on_the_oth
         what="a periodic checkpoint on node2",
     )
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
+
+
+def test_a_preempted_pod_is_hibernated_and_resumes_once_the_higher_one_is_gone(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.apply(
+        *(
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": name},
+                "value": value,
+            }
+            for name, value in ((f"{namespace}-low", 1000), (f"{namespace}-high", 100000))
+        )
+    )
+    cluster.kubectl("cordon", "node2")  # one node: the two pods cannot both have their CPU
+    resources = {"requests": {"cpu": "1200m"}}
+    low = counter_statefulset(namespace, "low", priorityClassName=f"{namespace}-low")
+    low["spec"]["template"]["spec"]["containers"][0]["resources"] = resources
+    cluster.apply(low)
+    first = cluster.running_pod(namespace, "low-0")
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, "low-0"))) > 5, what="the low job to count")
+    seen = steps(cluster.logs(namespace, "low-0"))
+    high = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "high", "namespace": namespace},
+        "spec": {
+            "priorityClassName": f"{namespace}-high",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {"name": "main", "image": "localhost/hostusr:1", "imagePullPolicy": "Never",
+                 "command": ["sleep", "3600"], "resources": resources,
+                 "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True}]}
+            ],
+            "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}}],
+        },
+    }  # fmt: skip
+    cluster.apply(high)
+    cluster.running_pod(namespace, "high")  # once the low one has gone: it was hibernated meanwhile
+    messages = {(e["reason"], e["message"]) for e in cluster.events(namespace, "low-0")}
+    assert any(reason == "Preempted" or "preempt" in message.lower() for reason, message in messages), (
+        messages
+    )
+    assert any(reason == "Hibernated" for reason, _ in messages), messages
+    pending = cluster.get("pod", "-n", namespace, "low-0")
+    assert pending["status"]["phase"] == "Pending"  # its StatefulSet made it again; no room yet
+    cluster.kubectl("delete", "pod", "-n", namespace, "high", "--wait=true")
+    cluster.running_pod(namespace, "low-0", not_uid=first["metadata"]["uid"])
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, "low-0")
+        return text if len(steps(text)) > 3 else None
+
+    log = cluster.wait_for(counting, what="the low job to count again")
+    assert "resumed its hibernated job" in log
+    assert steps(log)[0] > seen[-1]  # where it was, not from the start
+
+
+@pytest.mark.torch
+def test_a_training_pod_drained_mid_run_finishes_on_the_other_node_with_bit_identical_losses(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    total, gate_step = 80, 40
+    reference = subprocess.run(
+        [sys.executable, "-u", str(JOBS / "train.py"), str(total)], capture_output=True, text=True, check=True
+    ).stdout
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    # it waits before step 40 until the test lets it go on: drained mid-run however slow the machine
+    script = f"{sys.executable} -u /jobs/train.py {total} 0 {gate_step} /gate/go && exec sleep 3600"
+    train = counter_statefulset(namespace, "train")
+    pod_spec = train["spec"]["template"]["spec"]
+    pod_spec["containers"][0]["command"] = ["sh", "-c", script]
+    pod_spec["containers"][0]["volumeMounts"].append({"name": "gate", "mountPath": "/gate"})
+    pod_spec["volumes"].append({"name": "gate", "hostPath": {"path": str(gate), "type": "Directory"}})
+    cluster.kubectl("cordon", "node2")
+    cluster.apply(train)
+    first = cluster.running_pod(namespace, "train-0")
+    cluster.wait_for(
+        lambda: f"step {gate_step - 1} " in cluster.logs(namespace, "train-0"), timeout=180, what="the gate"
+    )
+    before = cluster.logs(namespace, "train-0")
+    cluster.kubectl("uncordon", "node2")
+    cluster.kubectl(
+        "drain", "node1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=150s", timeout=200
+    )
+    second = cluster.running_pod(namespace, "train-0", not_uid=first["metadata"]["uid"])
+    assert second["spec"]["nodeName"] == "node2"
+    cluster.wait_for(
+        lambda: "resumed its hibernated job" in cluster.logs(namespace, "train-0"), what="the resume"
+    )
+    (gate / "go").touch()
+    after = cluster.wait_for(
+        lambda: text if "done" in (text := cluster.logs(namespace, "train-0")) else None,
+        timeout=180,
+        what="the training to finish on node2",
+    )
+    losses = re.findall(r"^step \d+ loss \S+$", before + after, re.M)
+    assert losses == re.findall(r"^step \d+ loss \S+$", reference, re.M)  # every step once, bit for bit
+
+
+def test_a_pod_whose_processes_all_died_at_once_comes_back_from_its_last_periodic_checkpoint(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.apply(counter_statefulset(namespace, "crash"))  # a checkpoint every 3 s
+    first = cluster.running_pod(namespace, "crash-0")
+    uid = first["metadata"]["uid"]
+    cluster.wait_for(
+        lambda: (
+            cluster.get("pod", "-n", namespace, "crash-0")["metadata"]
+            .get("annotations", {})
+            .get("torpor.dev/last-checkpoint")
+        ),
+        what="a periodic checkpoint",
+    )
+    # everything of the container at once, as when its node loses power: no SIGTERM, no hibernation
+    killed = 0
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"TORPOR_POD_UID={uid}".encode() in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    assert killed >= 2  # the supervisor (and its init), the launcher, the job
+
+    def restarted() -> str | None:
+        text = cluster.logs(namespace, "crash-0")
+        return text if "recovered" in text and len(steps(text)) > 2 else None
+
+    log = cluster.wait_for(restarted, what="the container to come back")  # the kubelet restarts it
+    assert re.search(r"recovered: restored from \w+ taken on node\d \d+ s ago", log), log
+    assert steps(log)[0] > 0  # from the checkpoint, not from the start
+    messages = {(e["reason"], e["message"]) for e in cluster.events(namespace, "crash-0")}
+    assert any(reason == "Restored" and "recovered" in message for reason, message in messages), messages

@@ -236,9 +236,7 @@ class Supervisor:
         folder = identity_dir(self.spec.store, self.spec.identity)
         with Slot.take(folder, self.spec.interchangeable, lambda text: self.tell("Waiting", text)) as slot:
             previous = slot.previous()
-            slot.record(
-                self.spec.pod, started_at=time.time(), boot=procfs.boot_id(), needs=self.spec.pod.needs
-            )
+            slot.record(self.spec.pod, started_at=time.time(), where=_here(), needs=self.spec.pod.needs)
             engine = Engine(replace(self.settings, home=slot.home))
             offset = self._start(engine, slot, previous)
             follower = threading.Thread(target=self._follow, args=(engine, offset), daemon=True)
@@ -297,13 +295,14 @@ class Supervisor:
     def _end_previous(self, engine: Engine, previous: dict[str, Any]) -> None:
         """Make sure nothing of the job runs any more before it is restored or started again.
 
-        The pod that ran it is gone (this one holds the slot). On another machine (or after a reboot),
-        the processes the record names went with it, and their pids here are someone else's: the
-        record is marked failed without them. On this same boot, processes that outlived their
-        supervisor (as only outside a container they can) are stopped."""
+        The pod that ran it is gone (this one holds the slot). Its processes went with it, and the pids
+        the record names are someone else's here: another machine, another boot, or another PID
+        namespace (another container, even on this node). The record is marked failed without them.
+        Only where this process sees the same PID namespace on the same boot (outside containers) can
+        they have outlived their supervisor: they are stopped."""
         job = engine.records.job(self.spec.job)
         name = job.name
-        if previous.get("boot") != procfs.boot_id():
+        if previous.get("where") != _here():
             if job.state in SUPERVISED_STATES or job.pid is not None:
                 why = f"its {previous.get('pod', 'pod')} went away"
                 engine.records.set_fields(name, pid=None, pid_ticks=None, launcher_pid=None, message=why)
@@ -410,6 +409,11 @@ class Supervisor:
                     return
                 else:
                     time.sleep(0.1)
+
+
+def _here() -> str:
+    """Where pids mean what they say: this boot of this machine, and this PID namespace."""
+    return f"{procfs.boot_id()} {procfs.own_pid_namespace()}"
 
 
 def _ago(seconds: float) -> str:
