@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +263,24 @@ def test_a_pod_whose_processes_all_died_at_once_comes_back_from_its_last_periodi
     assert steps(log)[0] > 0  # from the checkpoint, not from the start
     messages = {(e["reason"], e["message"]) for e in cluster.events(namespace, "crash-0")}
     assert any(reason == "Restored" and "recovered" in message for reason, message in messages), messages
+
+
+def test_a_pod_whose_job_cannot_be_hibernated_is_deleted_normally_with_a_warning(
+    cluster: Cluster, namespace: str
+) -> None:
+    sts = counter_statefulset(namespace, "ring")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "ring", "namespace": namespace, "labels": {"torpor.dev/checkpoint": "true"}},
+        "spec": sts["spec"]["template"]["spec"],
+    }
+    pod["spec"]["containers"][0]["command"] = ["python3", "-u", "/jobs/io_uring_job.py", "fd"]
+    cluster.apply(pod)
+    cluster.running_pod(namespace, "ring")
+    cluster.wait_for(lambda: "tick 3" in cluster.logs(namespace, "ring"), what="the job to tick")
+    started = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", namespace, "ring", "--wait=true", timeout=120)
+    assert time.monotonic() - started < 60  # within its grace period: not killed at its end
+    warnings = [e for e in cluster.events(namespace, "ring") if e["reason"] == "HibernateFailed"]
+    assert warnings and warnings[0]["type"] == "Warning" and "io_uring" in warnings[0]["message"]
