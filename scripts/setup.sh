@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything torpor needs into .venv at the checkout's root: the package with its dev tools,
 # CPU PyTorch (for the demo, tests and benchmarks), a small sentence-transformers model with its weights
-# (the model server of the warm-start tests and benchmark) and CRIU >= 4.2 with torpor's rlimit shim
-# (scripts/install-criu.sh).
+# (the model server of the warm-start tests and benchmark), PyYAML (the Kubernetes operator's kubeconfig)
+# and CRIU >= 4.2 with torpor's rlimit shim (scripts/install-criu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +20,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "setup: installing torpor and its tools into .venv"
 .venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -e '.[dev,torch,serve]'
+.venv/bin/pip install --quiet -e '.[dev,torch,serve,kube]'
 # the programs first: gcc builds install-criu.sh's rlimit shim
 bash scripts/install-programs.sh
 bash scripts/install-criu.sh .venv

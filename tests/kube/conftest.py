@@ -41,7 +41,10 @@ def kubernetes_missing() -> str | None:
 @dataclass
 class Cluster:
     env: dict[str, str]
+    #: the store volume, on the host (every node's pods see their namespace's folder of it)
     store: Path
+    #: a certificate (the webhook's), for manifests that need one
+    certificate: Path
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 180) -> str:
         result = subprocess.run(
@@ -57,7 +60,8 @@ class Cluster:
         )
 
     def get(self, *what: str) -> Any:
-        return json.loads(self.kubectl("get", *what, "-o", "json"))
+        """The objects as JSON ({} for none, with --ignore-not-found)."""
+        return json.loads(self.kubectl("get", *what, "-o", "json") or "{}")
 
     def wait_for(self, predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
         deadline = time.monotonic() + timeout
@@ -116,6 +120,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ["bash", str(CLUSTER), "up", "2"], capture_output=True, text=True, env=env, timeout=300
     )
     webhook: subprocess.Popen[bytes] | None = None
+    operator: subprocess.Popen[bytes] | None = None
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         store = WORK / f"store-{uuid.uuid4().hex[:8]}"  # the volume every node sees
@@ -138,7 +143,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                  "--config", str(folder / "webhook.json")],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        instance = Cluster(env, store)
+        instance = Cluster(env, store, cert)
+        instance.kubectl("apply", "-f", str(ROOT / "deploy/kubernetes/crd.yaml"))
+        store.mkdir(mode=0o700)
+        with (folder / "operator.log").open("wb") as log:
+            operator = subprocess.Popen(
+                [TORPOR, "operator", "--store", str(store), "--kubeconfig", env["KUBECONFIG"], "--interval", "1s"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         instance.apply(
             {
                 "apiVersion": "admissionregistration.k8s.io/v1",
@@ -170,9 +182,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         )
         yield instance
     finally:
-        if webhook is not None:
-            webhook.terminate()
-            webhook.wait(10)
+        for process in (webhook, operator):
+            if process is not None:
+                process.terminate()
+                process.wait(10)
         down = subprocess.run(
             ["bash", str(CLUSTER), "down"], capture_output=True, text=True, env=env, timeout=300
         )

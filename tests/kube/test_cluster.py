@@ -3,6 +3,7 @@ admission webhook, are hibernated when they are evicted and continue on the othe
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import pytest
 
 from conftest import JOBS
 
-from .conftest import Cluster
+from .conftest import ROOT, Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu, pytest.mark.slow, pytest.mark.xdist_group("k8s")]
 
@@ -108,7 +109,7 @@ def test_a_drained_node_s_statefulset_pod_is_hibernated_and_continues_on_the_oth
     after = steps(log)
     assert after[0] > seen[-1] and after == list(range(after[0], after[0] + len(after)))
     # the job's whole output, in the store both nodes see: every step once, none lost, none repeated
-    output = (cluster.store / namespace / namespace / "counter-0/slot-0/jobs/main/output.log").read_text()
+    output = (cluster.store / namespace / "counter-0/slot-0/jobs/main/output.log").read_text()
     everything = steps(output)
     assert everything == list(range(len(everything))) and everything[-1] >= after[-1]
     # what torpor did, the Kubernetes way: events on the pod (the first one's outlive it), and when its
@@ -284,3 +285,50 @@ def test_a_pod_whose_job_cannot_be_hibernated_is_deleted_normally_with_a_warning
     assert time.monotonic() - started < 60  # within its grace period: not killed at its end
     warnings = [e for e in cluster.events(namespace, "ring") if e["reason"] == "HibernateFailed"]
     assert warnings and warnings[0]["type"] == "Warning" and "io_uring" in warnings[0]["message"]
+
+
+def test_the_operator_keeps_a_resource_per_identity_and_removes_a_deleted_statefulset_s_checkpoints(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.apply(counter_statefulset(namespace, "owned"))  # a checkpoint every 3 s
+    cluster.running_pod(namespace, "owned-0")
+
+    def listed() -> dict[str, Any] | None:
+        found = cluster.get("torporidentities", "-n", namespace, "owned-0", "--ignore-not-found")
+        return found if found and found.get("status", {}).get("lastCheckpoint") else None
+
+    identity = cluster.wait_for(listed, what="the operator to list the identity's checkpoints")
+    assert identity["spec"] == {"identity": f"{namespace}/owned-0", "owner": "StatefulSet/owned"}
+    (slot,) = identity["status"]["slots"]
+    assert slot["pod"] == "owned-0" and slot["node"] in ("node1", "node2") and slot["held"] is True
+    assert slot["checkpoints"] and slot["checkpoints"][-1]["id"] == identity["status"]["lastCheckpoint"]["id"]
+    folder = cluster.store / namespace / "owned-0"
+    assert folder.is_dir()
+
+    cluster.kubectl("delete", "statefulset", "-n", namespace, "owned", "--wait=true")  # its pod hibernates
+    cluster.wait_for(
+        lambda: (
+            not folder.exists()
+            and not cluster.get("torporidentities", "-n", namespace, "--ignore-not-found").get("items")
+        ),
+        what="the operator to remove the deleted StatefulSet's checkpoints",
+    )
+
+
+def test_the_manifests_are_valid_for_the_cluster(cluster: Cluster) -> None:
+    manifests = ROOT / "deploy/kubernetes"
+    bundle = base64.b64encode(cluster.certificate.read_bytes()).decode()
+    text = "\n---\n".join(
+        (manifests / name).read_text().replace("CA_BUNDLE", bundle)
+        for name in ("webhook.yaml", "operator.yaml")
+    )
+    cluster.kubectl("create", "namespace", "torpor-system")
+    try:
+        out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=text)
+        assert (
+            "mutatingwebhookconfiguration.admissionregistration.k8s.io/torpor created (server dry run)" in out
+        )
+        access = (manifests / "pod-access.yaml").read_text().replace("NAMESPACE", "torpor-system")
+        cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=access)
+    finally:
+        cluster.kubectl("delete", "namespace", "torpor-system", "--wait=false", check=False)

@@ -95,7 +95,7 @@ def test_a_pod_stopped_hibernates_its_job_and_the_next_pod_of_its_identity_resum
     assert first.stop() == 0
     last = steps(first.output())[-1]
     assert "hibernated by torpor: checkpoint" in first.said()
-    slot = json.loads((folder / "team-a/web-0/slot-0.json").read_text())
+    slot = json.loads((folder / "web-0/slot-0.json").read_text())
     assert slot["hibernated"] and slot["node"] == "node-of-a"
 
     second = Pod(folder, env, "b", "python3", "-u", str(JOBS / "counter.py"))
@@ -138,7 +138,7 @@ def test_a_pod_that_vanished_is_continued_from_its_last_periodic_checkpoint(
         time.sleep(0.1)
     assert "periodic checkpoint" in first.said(), first.said()
     # the pod is gone at once, its job with it (its node died): no hibernation
-    home = folder / "team-a/web-0/slot-0"
+    home = folder / "web-0/slot-0"
     job = json.loads(
         subprocess.run(
             [TORPOR, "--home", str(home), "ps", "--json"], capture_output=True, text=True, env=env

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from torpor.policy.pod import Owner, Start, grace_for, identity, mismatch, needs, on_start, slot_name
+from torpor.policy.pod import (
+    Owner,
+    Start,
+    grace_for,
+    identity,
+    mismatch,
+    needs,
+    on_start,
+    orphaned,
+    resource_name,
+    slot_name,
+)
 
 
 def test_an_identity_is_the_annotation_else_the_statefulset_pod_else_the_controller_else_the_pod() -> None:
@@ -86,3 +97,11 @@ def test_a_pod_continues_a_job_only_with_the_same_image_and_volumes() -> None:
         "its volumes differ (-/data <- persistentVolumeClaim:data-web-0, +/data <- persistentVolumeClaim:data-web-1)"
     )
     assert mismatch({}, then) is None and mismatch(then, {}) is None  # a pod the webhook did not make
+
+
+def test_the_operator_names_an_identity_s_resource_and_removes_it_only_with_its_controller() -> None:
+    assert resource_name("team-a/web-0") == "web-0"
+    assert resource_name("team-a/replicaset-api-5d9f/main") == "replicaset-api-5d9f.main"
+    assert orphaned(Owner("StatefulSet", "web"), owner_exists=False)
+    assert not orphaned(Owner("StatefulSet", "web"), owner_exists=True)
+    assert not orphaned(None, owner_exists=False)  # a bare pod's: the same pod may come again

@@ -24,14 +24,36 @@ TIMEOUT_S = 5.0
 
 
 class KubeError(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        #: the HTTP status the API answered with (None: no answer)
+        self.status = status
 
 
 @dataclass(frozen=True)
 class KubeAPI:
     url: str
+    #: a bearer token, or "" where the TLS context carries a client certificate
     token: str
     context: ssl.SSLContext
+
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> KubeAPI:
+        """The API as a kubeconfig file's current context sees it (files named in it, not inline data)."""
+        import yaml  # only the operator, run outside the cluster, needs it
+
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+            context_name = config.get("current-context")
+            context = next(c["context"] for c in config["contexts"] if c["name"] == context_name)
+            cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+            user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
+            tls = ssl.create_default_context(cafile=cluster.get("certificate-authority"))
+            if user.get("client-certificate"):
+                tls.load_cert_chain(user["client-certificate"], user["client-key"])
+            return cls(str(cluster["server"]).rstrip("/"), str(user.get("token", "")), tls)
+        except (OSError, ValueError, KeyError, StopIteration, TypeError, ssl.SSLError, yaml.YAMLError) as exc:
+            raise KubeError(f"cannot use the kubeconfig {path}: {exc}") from None
 
     @classmethod
     def in_cluster(cls, env: dict[str, str] | None = None, account: Path = SERVICE_ACCOUNT) -> KubeAPI | None:
@@ -51,12 +73,21 @@ class KubeAPI:
         context = ssl.create_default_context(cafile=str(account / "ca.crt"))
         return cls(url.rstrip("/"), token, context)
 
-    def _call(self, method: str, path: str, body: dict[str, Any], content_type: str) -> dict[str, Any]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Content-Type": content_type}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(
             self.url + path,
-            data=json.dumps(body).encode(),
+            data=None if body is None else json.dumps(body).encode(),
             method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type},
+            headers=headers,
         )
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self.context) as response:
@@ -65,7 +96,7 @@ class KubeAPI:
             detail = ""
             with contextlib.suppress(ValueError, OSError, AttributeError):  # the status, if it sent one
                 detail = json.loads(exc.read()).get("message", "")
-            raise KubeError(f"{method} {path}: {exc.code} {detail or exc.reason}") from None
+            raise KubeError(f"{method} {path}: {exc.code} {detail or exc.reason}", exc.code) from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise KubeError(f"{method} {path}: {reason}") from None
@@ -103,9 +134,26 @@ class KubeAPI:
         )
 
     def annotate(self, namespace: str, pod: str, annotations: dict[str, str]) -> None:
-        self._call(
-            "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{pod}",
-            {"metadata": {"annotations": annotations}},
-            "application/merge-patch+json",
-        )
+        self.merge(f"/api/v1/namespaces/{namespace}/pods/{pod}", {"metadata": {"annotations": annotations}})
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        """The object at ``path``, or None if there is none (404)."""
+        try:
+            return self._call("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", path, body)
+
+    def merge(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PATCH", path, body, "application/merge-patch+json")
+
+    def delete(self, path: str) -> None:
+        try:
+            self._call("DELETE", path)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters import kubeapi
-from torpor.apps import webhook
+from torpor.apps import operator, webhook
 from torpor.core import pod
 from torpor.errors import UsageError
 from torpor.policy.jobpolicy import parse_duration
@@ -77,6 +77,7 @@ def add_parsers(sub: Any, add: Any) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=cmd_pod, needs_settings=True, every_env=every)
     webhook.add_parser(sub)
+    operator.add_parser(sub)
 
 
 def cmd_pod(settings: Settings, args: argparse.Namespace) -> int:

@@ -161,6 +161,7 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
         {"name": "TORPOR_HOT_DIR", "value": HOT_MOUNT},
         {"name": "TORPOR_LAZY_RESTORE", "value": "1" if lazy else "0"},
         {"name": "TORPOR_POD_NEEDS", "value": json.dumps(needs, sort_keys=True)},
+        *([{"name": "TORPOR_POD_OWNER", "value": f"{owner.kind}/{owner.name}"}] if owner else []),
         *([{"name": "TORPOR_CHECKPOINT_EVERY", "value": str(every)}] if every else []),
         *_field_env("TORPOR_POD_NAME", "metadata.name"),
         *_field_env("TORPOR_POD_NAMESPACE", "metadata.namespace"),

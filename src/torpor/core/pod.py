@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -37,7 +38,8 @@ from typing import IO, Any
 from torpor.adapters import kubeapi
 from torpor.adapters.system import private, procfs
 from torpor.core.engine import Engine, unsupervised
-from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, JobState
+from torpor.core.records import Records
+from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, Checkpoint, Job, JobState
 from torpor.errors import JobNotFound, TorporError, UsageError
 from torpor.policy import periodic
 from torpor.policy import pod as pod_policy
@@ -58,6 +60,8 @@ class PodInfo:
     node: str = ""
     #: what the job depends on (its image and volumes: torpor.policy.pod.needs); {} if not said
     needs: dict[str, Any] = field(default_factory=dict)
+    #: the controller whose pod it is, ``KIND/NAME`` ("" for a bare pod)
+    owner: str = ""
 
     @classmethod
     def from_environment(cls) -> PodInfo:
@@ -68,6 +72,7 @@ class PodInfo:
             env.get("TORPOR_POD_UID", ""),
             env.get("TORPOR_NODE_NAME", ""),
             _json_object(env.get("TORPOR_POD_NEEDS", "")),
+            env.get("TORPOR_POD_OWNER", ""),
         )
 
     def describe(self) -> str:
@@ -91,12 +96,14 @@ class PodSpec:
 
 
 def identity_dir(store: Path, identity: str) -> Path:
-    """The identity's folder in the store; ``UsageError`` for an identity that is not a relative path of
-    plain names (it is made by :func:`torpor.policy.pod.identity`, or typed by a user)."""
+    """The identity's folder in the pod's store, which is its namespace's own (the webhook mounts the
+    namespace's folder of the volume, or the namespace's claim): ``NAME[/...]`` below it. ``UsageError``
+    for an identity that is not ``NAMESPACE/NAME[/...]`` of plain names (it is made by
+    :func:`torpor.policy.pod.identity`, or typed by a user)."""
     parts = identity.split("/")
-    if not identity or any(part in ("", ".", "..") or part.startswith(".") for part in parts):
+    if len(parts) < 2 or any(part in ("", ".", "..") or part.startswith(".") for part in parts):
         raise UsageError(f"identity '{identity}' must be NAMESPACE/NAME[/...] of plain names")
-    return store.joinpath(*parts)
+    return store.joinpath(*parts[1:])
 
 
 class Slot:
@@ -143,10 +150,127 @@ class Slot:
     def record(self, pod: PodInfo, **fields: Any) -> None:
         """Say in the slot's file that ``pod`` holds it, with ``fields`` and those of earlier calls."""
         self._mine.update(fields)
-        data = {"pod": pod.describe(), "name": pod.name, "uid": pod.uid, "node": pod.node, **self._mine}
+        data = {
+            "pod": pod.describe(),
+            "name": pod.name,
+            "uid": pod.uid,
+            "node": pod.node,
+            "owner": pod.owner,
+            **self._mine,
+        }
         tmp = self.info_path.with_suffix(".tmp")
         private.write_private(tmp, json.dumps(data).encode())
         os.replace(tmp, self.info_path)
+
+
+def end_processes(engine: Engine, name: str, previous: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Make sure nothing of job ``name`` runs any more, its slot being held by the caller.
+
+    The pod that ran it (``previous``: what it wrote of itself) is gone. Its processes went with it,
+    and the pids the record names are someone else's here: another machine, another boot, or another
+    PID namespace (another container, even on this node). The record is marked failed without them.
+    Only where the caller sees the same PID namespace on the same boot (outside containers) can they
+    have outlived their supervisor: they are stopped."""
+    job = engine.records.job(name)
+    if previous.get("where") != _here():
+        if job.state in SUPERVISED_STATES or job.pid is not None:
+            why = f"its {previous.get('pod', 'pod')} went away"
+            engine.records.set_fields(job.name, pid=None, pid_ticks=None, launcher_pid=None, message=why)
+            if job.state in SUPERVISED_STATES:
+                engine.records.transition(job.name, {job.state}, JobState.FAILED)
+        return
+    job = engine.reconcile(job)
+    if job.state in LIVE_STATES or unsupervised(job):
+        say(f"stopping what is left of the job of {previous.get('pod', 'the previous pod')}")
+        engine.stop(job.name)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What the store says of one slot of an identity, for the operator (:func:`slots`)."""
+
+    identity: str
+    slot: int
+    #: what its pod wrote of itself (torpor.core.pod.Slot.record)
+    pod: dict[str, Any]
+    #: the job's state (``None``: no job)
+    state: str | None
+    checkpoints: list[Checkpoint]
+    #: a pod holds it now
+    held: bool
+
+
+def slots(store: Path) -> list[SlotState]:
+    """Every slot of every identity in the whole volume ``store`` (``NAMESPACE/NAME/.../slot-N.json``:
+    each namespace's folder is what its pods see as theirs), as the store says."""
+    found = []
+    for info in sorted(store.glob("**/slot-*.json")):
+        folder = info.parent
+        n = info.stem.removeprefix("slot-")
+        home = folder / info.stem
+        if not n.isdigit() or not (home / "torpor.db").is_file():
+            continue
+        try:
+            records = Records(home / "torpor.db")
+            job: Job | None = next(iter(records.jobs()), None)
+        except TorporError:
+            continue
+        found.append(
+            SlotState(
+                str(folder.relative_to(store)),
+                int(n),
+                _read_json(info),
+                None if job is None else str(job.state),
+                records.checkpoints(job.name) if job is not None else [],
+                _held(folder / f"{info.stem}.lock"),
+            )
+        )
+    return found
+
+
+def _held(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_identity(store: Path, identity: str, settings: Settings, wait_s: float = 300) -> list[str]:
+    """Delete an identity of the whole volume ``store``: every slot's job and checkpoints, then its
+    folder; returns the checkpoint ids deleted. Each slot is taken first (a pod still hibernating into
+    it is waited for, ``wait_s`` at most: ``TorporError`` if it does not let go)."""
+    folder = identity_dir(store / identity.split("/")[0], identity)
+    deleted: list[str] = []
+    for lock in sorted(folder.glob("slot-*.lock")):
+        fd = private.open_private(lock, os.O_RDWR)
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TorporError(f"a pod still holds {lock.name} of {identity}") from None
+                    time.sleep(0.5)
+            home = folder / lock.stem
+            if (home / "torpor.db").is_file():
+                engine = Engine(replace(settings, home=home))
+                previous = _read_json(folder / f"{lock.stem}.json")
+                for job in engine.records.jobs():
+                    end_processes(engine, job.name, previous, lambda _text: None)
+                    deleted += engine.remove(job.name)
+        finally:
+            os.close(fd)
+    shutil.rmtree(folder, ignore_errors=True)
+    return deleted
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -293,26 +417,7 @@ class Supervisor:
         return 0
 
     def _end_previous(self, engine: Engine, previous: dict[str, Any]) -> None:
-        """Make sure nothing of the job runs any more before it is restored or started again.
-
-        The pod that ran it is gone (this one holds the slot). Its processes went with it, and the pids
-        the record names are someone else's here: another machine, another boot, or another PID
-        namespace (another container, even on this node). The record is marked failed without them.
-        Only where this process sees the same PID namespace on the same boot (outside containers) can
-        they have outlived their supervisor: they are stopped."""
-        job = engine.records.job(self.spec.job)
-        name = job.name
-        if previous.get("where") != _here():
-            if job.state in SUPERVISED_STATES or job.pid is not None:
-                why = f"its {previous.get('pod', 'pod')} went away"
-                engine.records.set_fields(name, pid=None, pid_ticks=None, launcher_pid=None, message=why)
-                if job.state in SUPERVISED_STATES:
-                    engine.records.transition(name, {job.state}, JobState.FAILED)
-            return
-        job = engine.reconcile(job)
-        if job.state in LIVE_STATES or unsupervised(job):
-            self.say(f"stopping what is left of the job of {previous.get('pod', 'the previous pod')}")
-            engine.stop(name)
+        end_processes(engine, self.spec.job, previous, self.say)
 
     def _log_size(self, engine: Engine) -> int:
         try:

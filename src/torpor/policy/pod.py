@@ -9,6 +9,8 @@
 * :func:`grace_for` — the termination grace a pod gets, long enough to hibernate its job.
 * :func:`mismatch` — why a pod cannot continue the job of an earlier one: its image or its volumes
   differ (the job's files would not be there, or not the same).
+* :func:`resource_name`, :func:`orphaned` — the operator's: the name of an identity's resource, and
+  whether its checkpoints go because the controller whose pods it was is gone.
 
 The supervisor (``torpor.core.pod``) reads records and signals and acts on these answers; the admission
 webhook (``torpor.core.admission``) computes the identity once, when the pod is created.
@@ -143,3 +145,16 @@ def mismatch(then: Mapping[str, object], now: Mapping[str, object]) -> str | Non
 
 def _strings(value: object) -> set[str]:
     return {str(item) for item in value} if isinstance(value, list | tuple) else set()
+
+
+def resource_name(identity: str) -> str:
+    """The name of the TorporIdentity resource of ``identity`` in its namespace: the rest of it, its
+    parts joined by dots (``team-a/replicaset-api/main`` -> ``replicaset-api.main``)."""
+    return ".".join(identity.split("/")[1:])[:253]
+
+
+def orphaned(owner: Owner | None, owner_exists: bool) -> bool:
+    """Whether an identity's checkpoints go: the controller whose pods it was is deleted. A bare pod's
+    (no owner) or one named by annotation stays until it is removed by hand: the same pod may be
+    created again."""
+    return owner is not None and not owner_exists

@@ -1,0 +1,192 @@
+"""``torpor operator``: a TorporIdentity resource for each identity in the store, and an identity's
+checkpoints removed when the controller whose pods it was is deleted.
+
+A reconcile loop over the store (the volume the pods share, mounted here too) every ``--interval``:
+
+- each identity (``torpor.core.pod.slots``) has a namespaced ``TorporIdentity`` (torpor.dev/v1alpha1,
+  ``deploy/kubernetes/crd.yaml``; its name: ``torpor.policy.pod.resource_name``) whose ``status``
+  lists its slots: the pod that holds or held each, its node, the job's state, its checkpoints (id,
+  kind, time, size, freeze) and the latest one;
+- an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) no longer exists has
+  its checkpoints and folder deleted (each slot taken first: a pod still hibernating is waited for),
+  then its resource (``torpor.policy.pod.orphaned``);
+- a resource whose identity is no longer in the store is deleted.
+
+It keeps nothing of its own: killed and started again, it carries on from the store and the API. A
+reconcile loop rather than a watch: an owner deleted while the operator was down is still found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from torpor.adapters import kubeapi
+from torpor.apps.agent.commands import seconds
+from torpor.core import pod
+from torpor.errors import TorporError, UsageError
+from torpor.policy import pod as pod_policy
+from torpor.settings import Settings
+
+GROUP, VERSION, PLURAL, KIND = "torpor.dev", "v1alpha1", "torporidentities", "TorporIdentity"
+#: where each controller kind is in the API
+OWNER_PATHS = {
+    "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets/{name}",
+    "ReplicaSet": "/apis/apps/v1/namespaces/{ns}/replicasets/{name}",
+    "DaemonSet": "/apis/apps/v1/namespaces/{ns}/daemonsets/{name}",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs/{name}",
+    "ReplicationController": "/api/v1/namespaces/{ns}/replicationcontrollers/{name}",
+}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "operator",
+        help="keep a TorporIdentity resource per identity, and remove the checkpoints of deleted controllers",
+        description=(
+            "The Kubernetes operator: every INTERVAL it reads the store the pods share and keeps a "
+            "TorporIdentity resource (torpor.dev/v1alpha1) per identity with its slots' pods, nodes, states "
+            "and checkpoints; an identity whose StatefulSet, ReplicaSet or Job was deleted has its "
+            "checkpoints removed. In the cluster it uses its service account; outside, --kubeconfig."
+        ),
+    )
+    p.add_argument("--store", required=True, help="the store folder the pods share (all namespaces)")
+    p.add_argument("--kubeconfig", help="a kubeconfig (default: the in-cluster service account)")
+    p.add_argument("--interval", type=seconds, default=10.0, metavar="DURATION", help="default 10s")
+    p.add_argument("--once", action="store_true", help="reconcile once and exit")
+    p.set_defaults(func=cmd_operator, needs_settings=True)
+
+
+def _say(text: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} operator: {text}", file=sys.stderr, flush=True)
+
+
+def _stamp(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def _owner(text: str) -> pod_policy.Owner | None:
+    kind, _, name = text.partition("/")
+    return pod_policy.Owner(kind, name) if kind and name else None
+
+
+def status_of(slots: list[pod.SlotState]) -> dict[str, Any]:
+    """The resource's status for an identity's slots."""
+    listed = []
+    latest: tuple[float, str] | None = None
+    for slot in slots:
+        checkpoints = [
+            {
+                "id": c.id,
+                "kind": str(c.kind),
+                "created": _stamp(c.created_at),
+                "sizeBytes": c.size_bytes,
+                "freezeSeconds": round(c.freeze_s, 4),
+            }
+            for c in slot.checkpoints
+        ]
+        for c in slot.checkpoints:
+            latest = max(latest or (0.0, ""), (c.created_at, c.id))
+        listed.append(
+            {
+                "slot": slot.slot,
+                "pod": slot.pod.get("name", ""),
+                "node": slot.pod.get("node", ""),
+                "held": slot.held,
+                "state": slot.state or "none",
+                "checkpoints": checkpoints,
+            }
+        )
+    status: dict[str, Any] = {"slots": listed, "observedAt": _stamp(time.time())}
+    if latest is not None:
+        status["lastCheckpoint"] = {"id": latest[1], "created": _stamp(latest[0])}
+    return status
+
+
+class Operator:
+    def __init__(self, store: Path, settings: Settings, api: kubeapi.KubeAPI) -> None:
+        self.store = store
+        self.settings = settings
+        self.api = api
+
+    def _path(self, namespace: str, name: str = "") -> str:
+        base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        return f"{base}/{name}" if name else base
+
+    def reconcile(self) -> None:
+        by_identity: dict[str, list[pod.SlotState]] = defaultdict(list)
+        for slot in pod.slots(self.store):
+            by_identity[slot.identity].append(slot)
+        for identity, slots in sorted(by_identity.items()):
+            try:
+                self._identity(identity, slots)
+            except (kubeapi.KubeError, TorporError) as exc:
+                _say(f"{identity}: {exc}")
+        self._forget_gone(set(by_identity))
+
+    def _identity(self, identity: str, slots: list[pod.SlotState]) -> None:
+        namespace, name = identity.split("/")[0], pod_policy.resource_name(identity)
+        owners = {slot.pod.get("owner", "") for slot in slots} - {""}
+        owner = _owner(sorted(owners)[0]) if owners else None
+        if owner is not None and owner.kind in OWNER_PATHS:
+            exists = self.api.get(OWNER_PATHS[owner.kind].format(ns=namespace, name=owner.name)) is not None
+            if pod_policy.orphaned(owner, exists) and not any(slot.held for slot in slots):
+                deleted = pod.remove_identity(self.store, identity, self.settings)
+                self.api.delete(self._path(namespace, name))
+                _say(
+                    f"{identity}: its {owner.kind} {owner.name} is gone: removed {len(deleted)} checkpoint(s)"
+                )
+                return
+        spec = {"identity": identity, "owner": f"{owner.kind}/{owner.name}" if owner else ""}
+        if self.api.get(self._path(namespace, name)) is None:
+            body = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": spec,
+            }
+            self.api.create(self._path(namespace), body)
+            _say(f"{identity}: made {KIND} {namespace}/{name}")
+        self.api.merge(f"{self._path(namespace, name)}/status", {"status": status_of(slots)})
+
+    def _forget_gone(self, identities: set[str]) -> None:
+        listed = self.api.get(f"/apis/{GROUP}/{VERSION}/{PLURAL}") or {}  # every namespace's
+        for item in listed.get("items", []):
+            identity = str((item.get("spec") or {}).get("identity", ""))
+            if identity not in identities:
+                namespace, name = str(item["metadata"]["namespace"]), str(item["metadata"]["name"])
+                self.api.delete(self._path(namespace, name))
+                _say(f"{identity or name}: no longer in the store: {KIND} {namespace}/{name} deleted")
+
+
+def cmd_operator(settings: Settings, args: argparse.Namespace) -> int:
+    store = Path(args.store)
+    if not store.is_dir():
+        raise UsageError(f"the store {store} is not a folder")
+    try:
+        api = (
+            kubeapi.KubeAPI.from_kubeconfig(Path(args.kubeconfig))
+            if args.kubeconfig
+            else kubeapi.KubeAPI.in_cluster()
+        )
+    except kubeapi.KubeError as exc:
+        raise UsageError(str(exc)) from None
+    if api is None:
+        raise UsageError("not in a pod (no service account token): give --kubeconfig")
+    operator = Operator(store, settings, api)
+    _say(f"reconciling {store} every {args.interval:g} s")
+    while True:
+        try:
+            operator.reconcile()
+        except kubeapi.KubeError as exc:  # the API unreachable: the next pass tries again
+            _say(str(exc))
+        if args.once:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
