@@ -63,6 +63,7 @@ bench: setup
 	$(BIN)/python scripts/bench_scheduler.py
 	$(BIN)/python scripts/bench_scheduler_runs.py
 	$(BIN)/python scripts/bench_warmstart.py
+	$(BIN)/python scripts/bench_kube.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

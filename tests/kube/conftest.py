@@ -1,110 +1,15 @@
-"""A real two-node Kubernetes cluster (scripts/k8s/cluster.sh) with torpor's admission webhook, for
-the tests of this folder that are marked ``k8s``; brought up once per test session and torn down."""
+"""The cluster the tests marked ``k8s`` run on: brought up once per test session (tests/kube/cluster.py)
+and torn down after; skipped where it cannot be made, unless the run needs it (TORPOR_TESTS_NEED_K8S=1,
+as ``make suite`` sets)."""
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import shutil
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from conftest import TORPOR, free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTER = ROOT / "scripts/k8s/cluster.sh"
-CACHE = Path(os.environ.get("TORPOR_K8S_CACHE", "/var/cache/torpor-k8s"))
-WORK = Path(os.environ.get("TORPOR_K8S_WORK", "/var/tmp/torpor-k8s"))
-API_ADDRESS = "10.254.254.1:16443"  # scripts/k8s/cluster.sh
-
-
-def kubernetes_missing() -> str | None:
-    """Why a cluster cannot be made here (None: it can)."""
-    if os.geteuid() != 0:
-        return "needs root"
-    if not (CACHE / "bin/kubelet").exists():
-        return f"no Kubernetes build in {CACHE} (run scripts/k8s/build.sh, or make k8s)"
-    if shutil.which("kubectl") is None:
-        return "no kubectl"
-    return None
-
-
-@dataclass
-class Cluster:
-    env: dict[str, str]
-    #: the store volume, on the host (every node's pods see their namespace's folder of it)
-    store: Path
-    #: a certificate (the webhook's), for manifests that need one
-    certificate: Path
-
-    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 180) -> str:
-        result = subprocess.run(
-            ["kubectl", *args], input=stdin, capture_output=True, text=True, env=self.env, timeout=timeout
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
-
-    def apply(self, *documents: dict[str, Any]) -> None:
-        self.kubectl(
-            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": documents})
-        )
-
-    def get(self, *what: str) -> Any:
-        """The objects as JSON ({} for none, with --ignore-not-found)."""
-        return json.loads(self.kubectl("get", *what, "-o", "json") or "{}")
-
-    def wait_for(self, predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if found := predicate():
-                return found
-            time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    def running_pod(self, namespace: str, name: str, not_uid: str | None = None) -> dict[str, Any]:
-        def ready() -> dict[str, Any] | None:
-            pod = json.loads(
-                self.kubectl("get", "-n", namespace, "pod", name, "-o", "json", check=False) or "{}"
-            )
-            if pod.get("status", {}).get("phase") == "Running" and pod["metadata"]["uid"] != not_uid:
-                return pod
-            return None
-
-        found: dict[str, Any] = self.wait_for(ready, what=f"pod {namespace}/{name} to run")
-        return found
-
-    def logs(self, namespace: str, pod: str) -> str:
-        return self.kubectl("logs", "-n", namespace, pod, check=False)
-
-    def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        found = self.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={pod}")
-        return list(found["items"])
-
-    def namespace(self, name: str) -> None:
-        """A namespace whose pods may tell Kubernetes what torpor did (deploy/kubernetes/pod-access.yaml)."""
-        self.kubectl("create", "namespace", name)
-        text = (ROOT / "deploy/kubernetes/pod-access.yaml").read_text().replace("NAMESPACE", name)
-        self.kubectl("apply", "-f", "-", stdin=text)
-
-
-def _certificate(folder: Path) -> tuple[Path, Path]:
-    cert, key = folder / "webhook.crt", folder / "webhook.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=torpor-webhook",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+from .cluster import Cluster, kubernetes_missing, running
 
 
 @pytest.fixture(scope="session")
@@ -114,81 +19,5 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if os.environ.get("TORPOR_TESTS_NEED_K8S") == "1":
             pytest.fail(f"TORPOR_TESTS_NEED_K8S=1, but {why}")
         pytest.skip(why)
-    folder = tmp_path_factory.mktemp("k8s")
-    env = {**os.environ, "KUBECONFIG": str(WORK / "cp/kubeconfig")}
-    up = subprocess.run(
-        ["bash", str(CLUSTER), "up", "2"], capture_output=True, text=True, env=env, timeout=300
-    )
-    webhook: subprocess.Popen[bytes] | None = None
-    operator: subprocess.Popen[bytes] | None = None
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        store = WORK / f"store-{uuid.uuid4().hex[:8]}"  # the volume every node sees
-        # torpor in the pods: this checkout (its .venv, src and CRIU) and the Python the venv is made from
-        config = {
-            "torpor": TORPOR,
-            "torpor_paths": [str(ROOT), sys.base_prefix],
-            "store_host_path": str(store),
-            "min_grace_s": 60,
-            "hot_size": "512Mi",
-            # the pods reach the apiserver at the first node's address (there is no kube-proxy here)
-            "env": {"TORPOR_KUBE_API": f"https://{API_ADDRESS}"},
-        }
-        (folder / "webhook.json").write_text(json.dumps(config))
-        cert, key = _certificate(folder)
-        port = free_port()
-        with (folder / "webhook.log").open("wb") as log:
-            webhook = subprocess.Popen(
-                [TORPOR, "webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key),
-                 "--config", str(folder / "webhook.json")],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        instance = Cluster(env, store, cert)
-        instance.kubectl("apply", "-f", str(ROOT / "deploy/kubernetes/crd.yaml"))
-        store.mkdir(mode=0o700)
-        with (folder / "operator.log").open("wb") as log:
-            operator = subprocess.Popen(
-                [TORPOR, "operator", "--store", str(store), "--kubeconfig", env["KUBECONFIG"], "--interval", "1s"],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        instance.apply(
-            {
-                "apiVersion": "admissionregistration.k8s.io/v1",
-                "kind": "MutatingWebhookConfiguration",
-                "metadata": {"name": "torpor-test"},
-                "webhooks": [
-                    {
-                        "name": "pods.torpor.dev",
-                        "admissionReviewVersions": ["v1"],
-                        "sideEffects": "None",
-                        "failurePolicy": "Ignore",
-                        "timeoutSeconds": 5,
-                        "objectSelector": {"matchLabels": {"torpor.dev/checkpoint": "true"}},
-                        "rules": [
-                            {
-                                "operations": ["CREATE"],
-                                "apiGroups": [""],
-                                "apiVersions": ["v1"],
-                                "resources": ["pods"],
-                            }
-                        ],
-                        "clientConfig": {
-                            "url": f"https://127.0.0.1:{port}/mutate",
-                            "caBundle": base64.b64encode(cert.read_bytes()).decode(),
-                        },
-                    }
-                ],
-            }
-        )
+    with running(tmp_path_factory.mktemp("k8s")) as instance:
         yield instance
-    finally:
-        for process in (webhook, operator):
-            if process is not None:
-                process.terminate()
-                process.wait(10)
-        down = subprocess.run(
-            ["bash", str(CLUSTER), "down"], capture_output=True, text=True, env=env, timeout=300
-        )
-        for stale in WORK.glob("store-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        assert down.returncode == 0, down.stdout + down.stderr

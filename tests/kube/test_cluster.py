@@ -19,54 +19,13 @@ import pytest
 
 from conftest import JOBS
 
-from .conftest import ROOT, Cluster
+from .cluster import ROOT, Cluster, counter_statefulset
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu, pytest.mark.slow, pytest.mark.xdist_group("k8s")]
 
 
 def steps(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"^step (\d+)$", text, re.M)]
-
-
-def counter_statefulset(namespace: str, name: str, **pod_spec: Any) -> dict[str, Any]:
-    """A StatefulSet of one pod that counts, opted in by its label; its program comes from the host
-    (the test image is an empty skeleton that mounts the host's /usr)."""
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "serviceName": name,
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {
-                    "labels": {"app": name, "torpor.dev/checkpoint": "true"},
-                    "annotations": {"torpor.dev/checkpoint-every": "3s"},
-                },
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "localhost/hostusr:1",
-                            "imagePullPolicy": "Never",
-                            "command": ["python3", "-u", "/jobs/counter.py"],
-                            "volumeMounts": [
-                                {"name": "usr", "mountPath": "/usr", "readOnly": True},
-                                {"name": "jobs", "mountPath": "/jobs", "readOnly": True},
-                            ],
-                        }
-                    ],
-                    "volumes": [
-                        {"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}},
-                        {"name": "jobs", "hostPath": {"path": str(JOBS), "type": "Directory"}},
-                    ],
-                },
-            },
-        },
-    }
-    statefulset["spec"]["template"]["spec"].update(pod_spec)  # type: ignore[index]
-    return statefulset
 
 
 @pytest.fixture

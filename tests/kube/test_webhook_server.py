@@ -15,17 +15,8 @@ import pytest
 
 from conftest import TORPOR, free_port
 
+from .cluster import certificate
 from .test_admission import pod
-
-
-def certificate(folder: Path) -> tuple[Path, Path]:
-    cert, key = folder / "tls.crt", folder / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=torpor-webhook",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.fixture

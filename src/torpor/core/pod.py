@@ -434,13 +434,18 @@ class Supervisor:
                 return self._hibernate(engine, slot)
             job = engine.reconcile(engine.records.job(name))
             if job.state not in SUPERVISED_STATES:
-                code = job.exit_code if job.exit_code is not None else 1
-                self.say(f"the job ended by itself (exit code {code}{_because(job.message)})")
-                slot.record(self.spec.pod, ended=code, ended_at=time.time())
-                engine.remove(name)
-                return code
+                return self._ended(engine, slot, job)
             if self.spec.every_s and job.state == JobState.RUNNING:
                 self._maybe_checkpoint(engine, job.started_at or job.created_at)
+
+    def _ended(self, engine: Engine, slot: Slot, job: Job) -> int:
+        """The job exited by itself: that ends the identity (its checkpoints go, the next pod starts
+        cold), and the pod exits with the job's code."""
+        code = job.exit_code if job.exit_code is not None else 1
+        self.say(f"the job ended by itself (exit code {code}{_because(job.message)})")
+        slot.record(self.spec.pod, ended=code, ended_at=time.time())
+        engine.remove(job.name)
+        return code
 
     def _maybe_checkpoint(self, engine: Engine, running_since: float) -> None:
         assert self.spec.every_s
@@ -468,9 +473,11 @@ class Supervisor:
         while job.state in LIVE_STATES - {JobState.RUNNING} and time.monotonic() < deadline:
             time.sleep(0.1)  # starting, or a periodic checkpoint: let it settle
             job = engine.reconcile(engine.records.job(name))
+        if job.state not in SUPERVISED_STATES:  # it ended by itself just now
+            return self._ended(engine, slot, job)
         if job.state != JobState.RUNNING:
-            self.say(f"asked to stop; the job is {job.state}")
-            return 0
+            self.say(f"asked to stop; the job is still {job.state}")
+            return 143
         self.say("asked to stop: hibernating the job")
         try:
             checkpoint = engine.checkpoint(name, hibernate=True, progress=self.say, warn=self.say)
