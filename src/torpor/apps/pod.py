@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters import kubeapi
-from torpor.apps import operator, webhook
+from torpor.apps import kubeoperator, webhook
 from torpor.core import pod
-from torpor.errors import UsageError
+from torpor.errors import TorporError, UsageError
 from torpor.policy.jobpolicy import parse_duration
 from torpor.settings import Settings
 
@@ -77,7 +77,7 @@ def add_parsers(sub: Any, add: Any) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=cmd_pod, needs_settings=True, every_env=every)
     webhook.add_parser(sub)
-    operator.add_parser(sub)
+    kubeoperator.add_parser(sub)
 
 
 def cmd_pod(settings: Settings, args: argparse.Namespace) -> int:
@@ -122,6 +122,9 @@ def _as_init(supervisor: pod.Supervisor) -> int:
         code = 1
         try:
             code = supervisor.run()
+        except TorporError as exc:  # said as the CLI says it: this child never returns to it
+            print(f"torpor: error: {exc.message}", file=sys.stderr)
+            code = exc.exit_code
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
