@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from torpor.adapters.system import private
 from torpor.core.store import DURABLE, STAGED, TieredStore, config
 from torpor.core.store.hot import dumped_kind, dumped_pids
 from torpor.errors import CorruptImage, StorageFull, StoreError
@@ -99,7 +100,11 @@ def _destager_pid(store: TieredStore) -> int | None:
 def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, tmp_path: Path) -> None:
     store = TieredStore(dataclasses.replace(settings, store_workers=1))
     data = os.urandom(320 * MiB)
-    store.put("c1", "job", _stage(store, "c1", data), {})
+    # the destager the staging starts would store the image while it is written, and then destage it
+    # in an instant, between two looks: it waits on the lock until the image is committed
+    store.hot.ensure()
+    with private.locked(store.lock_path):
+        store.put("c1", "job", _stage(store, "c1", data), {})
 
     def mid_way() -> bool:
         record = store.hot.record("c1")
