@@ -6,7 +6,10 @@ import pytest
 
 from torpor.policy.pod import (
     Owner,
+    SlotChoice,
+    SlotView,
     Start,
+    choose_slot,
     grace_for,
     identity,
     mismatch,
@@ -105,3 +108,15 @@ def test_the_operator_names_an_identity_s_resource_and_removes_it_only_with_its_
     assert orphaned(Owner("StatefulSet", "web"), owner_exists=False)
     assert not orphaned(Owner("StatefulSet", "web"), owner_exists=True)
     assert not orphaned(None, owner_exists=False)  # a bare pod's: the same pod may come again
+
+
+def test_an_interchangeable_pod_continues_a_job_waits_for_one_being_hibernated_or_takes_a_free_slot() -> None:
+    view = SlotView
+    assert choose_slot([]) == SlotChoice(0)
+    assert choose_slot([view(0, False, True, False)]) == SlotChoice(1)  # held: a new slot
+    assert choose_slot([view(0, False, True, True)]) == SlotChoice(0, wait=True)  # being hibernated
+    free_job = [view(0, True, False, False), view(1, False, True, True), view(2, True, True, False)]
+    assert choose_slot(free_job) == SlotChoice(2)  # a free job to continue comes first
+    assert choose_slot(free_job[:2]) == SlotChoice(1, wait=True)  # then one about to be free
+    assert choose_slot([view(1, True, False, False), view(0, False, True, False)]) == SlotChoice(1)
+    assert choose_slot([view(0, False, True, False), view(2, False, True, False)]) == SlotChoice(1)

@@ -119,25 +119,11 @@ class Slot:
     @classmethod
     @contextlib.contextmanager
     def take(cls, folder: Path, interchangeable: bool, say: Callable[[str], None]) -> Iterator[Slot]:
-        """Hold a slot of the identity in ``folder``: the first free one of interchangeable pods, else
-        slot 0, waiting for the pod that holds it to end (saying so)."""
+        """Hold a slot of the identity in ``folder``: for interchangeable pods the one
+        :func:`torpor.policy.pod.choose_slot` picks, else slot 0, waiting for the pod that holds it to
+        end (saying so)."""
         private.make_private_dirs(folder)
-        fd, n = -1, 0
-        for n in range(MAX_SLOTS if interchangeable else 1):
-            fd = private.open_private(folder / f"{pod_policy.slot_name(n)}.lock", os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                os.close(fd)
-                fd = -1
-        if fd < 0:
-            if interchangeable:
-                raise UsageError(f"all {MAX_SLOTS} slots of this identity are held by running pods")
-            fd = private.open_private(folder / f"{pod_policy.slot_name(0)}.lock", os.O_RDWR | os.O_CREAT)
-            holder = _read_json(folder / f"{pod_policy.slot_name(0)}.json")
-            say(f"waiting for {holder.get('pod', 'another pod')} to let go of this identity")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fd, n = _take_interchangeable(folder, say) if interchangeable else _take_only(folder, say)
         try:
             yield cls(folder, n, fd)
         finally:
@@ -161,6 +147,69 @@ class Slot:
         tmp = self.info_path.with_suffix(".tmp")
         private.write_private(tmp, json.dumps(data).encode())
         os.replace(tmp, self.info_path)
+
+
+def _lock(folder: Path, n: int) -> int:
+    return private.open_private(folder / f"{pod_policy.slot_name(n)}.lock", os.O_RDWR | os.O_CREAT)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _take_only(folder: Path, say: Callable[[str], None]) -> tuple[int, int]:
+    fd = _lock(folder, 0)
+    if not _try_lock(fd):
+        holder = _read_json(folder / f"{pod_policy.slot_name(0)}.json")
+        say(f"waiting for {holder.get('pod', 'another pod')} to let go of this identity")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, 0
+
+
+def _take_interchangeable(folder: Path, say: Callable[[str], None]) -> tuple[int, int]:
+    while True:
+        free: dict[int, int] = {}  # the free slots' locks, held while we look
+        views = []
+        try:
+            for lock in folder.glob("slot-*.lock"):
+                number = lock.stem.removeprefix("slot-")
+                if not number.isdigit() or int(number) >= MAX_SLOTS:
+                    continue
+                n, fd = int(number), _lock(folder, int(number))
+                if _try_lock(fd):
+                    free[n] = fd
+                else:
+                    os.close(fd)
+                info = _read_json(folder / f"{pod_policy.slot_name(n)}.json")
+                views.append(
+                    pod_policy.SlotView(
+                        n, n in free, bool(info) and "ended" not in info, "stopping_at" in info
+                    )
+                )
+            choice = pod_policy.choose_slot(views)
+            if choice.n >= MAX_SLOTS:
+                raise UsageError(f"all {MAX_SLOTS} slots of this identity are held by running pods")
+            if choice.n in free:
+                return free.pop(choice.n), choice.n
+            fd = _lock(folder, choice.n)
+            if choice.wait:
+                holder = _read_json(folder / f"{pod_policy.slot_name(choice.n)}.json")
+                say(f"waiting for {holder.get('pod', 'another pod')} to hibernate its job, to continue it")
+                for other in free.values():  # not kept from other pods while we wait
+                    os.close(other)
+                free.clear()
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                return fd, choice.n
+            if _try_lock(fd):  # a new slot
+                return fd, choice.n
+            os.close(fd)  # another pod made it just now: look again
+        finally:
+            for fd in free.values():
+                os.close(fd)
 
 
 def end_processes(engine: Engine, name: str, previous: dict[str, Any], say: Callable[[str], None]) -> None:
@@ -479,6 +528,7 @@ class Supervisor:
             self.say(f"asked to stop; the job is still {job.state}")
             return 143
         self.say("asked to stop: hibernating the job")
+        slot.record(self.spec.pod, stopping_at=time.time())  # a replacement waits for it, to continue it
         try:
             checkpoint = engine.checkpoint(name, hibernate=True, progress=self.say, warn=self.say)
             engine.wait_durable(checkpoint.id, progress=self.say)

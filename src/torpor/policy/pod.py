@@ -78,6 +78,46 @@ def slot_name(n: int) -> str:
     return f"slot-{n}"
 
 
+@dataclass(frozen=True)
+class SlotView:
+    """What an interchangeable pod sees of one slot of its identity as it starts."""
+
+    n: int
+    #: no pod holds it now
+    free: bool
+    #: it has a job to continue: one that did not end by itself (hibernated, or left by a pod that
+    #: went away without hibernating it)
+    continuable: bool
+    #: the pod that holds it is hibernating its job now (it was asked to stop)
+    stopping: bool
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    n: int
+    #: wait for the pod that holds it to let go
+    wait: bool = False
+
+
+def choose_slot(slots: Sequence[SlotView]) -> SlotChoice:
+    """Which slot a starting pod of interchangeable ones (a Deployment's replicas) takes: a free one
+    with a job to continue; else one whose pod is hibernating its job now, waited for — a replacement
+    made at the eviction starts while the evicted pod still hibernates, and continues its job a moment
+    later instead of starting cold beside it; else the first free one, or a new one after the last."""
+    ordered = sorted(slots, key=lambda slot: slot.n)
+    for slot in ordered:
+        if slot.free and slot.continuable:
+            return SlotChoice(slot.n)
+    for slot in ordered:
+        if not slot.free and slot.stopping:
+            return SlotChoice(slot.n, wait=True)
+    for slot in ordered:
+        if slot.free:
+            return SlotChoice(slot.n)
+    taken = {slot.n for slot in ordered}
+    return SlotChoice(next(n for n in range(len(taken) + 1) if n not in taken))
+
+
 class Start(StrEnum):
     COLD = "cold"  # run the command: there is nothing to continue
     RESUME = "resume"  # restore the hibernated job
