@@ -154,6 +154,17 @@ def counter_statefulset(
     return statefulset
 
 
+def counter_deployment(namespace: str, name: str, **kwargs: Any) -> dict[str, Any]:
+    """A Deployment of one replica of :func:`counter_statefulset`'s pod."""
+    template = counter_statefulset(namespace, name, **kwargs)["spec"]["template"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}}, "template": template},
+    }
+
+
 @contextlib.contextmanager
 def running(folder: Path) -> Iterator[Cluster]:
     """Bring the cluster up with the webhook and the operator (their files in ``folder``), and tear it

@@ -145,6 +145,20 @@ def test_a_pod_without_the_label_is_left_alone() -> None:
     assert mutate(original, "team-a", CONFIG).patch == []
 
 
+def test_a_pod_changed_already_is_left_as_it_is_and_one_only_annotated_is_changed() -> None:
+    original = pod()
+    changed = apply(original, mutate(original, "team-a", CONFIG).patch)
+    # created again from a copy of the changed pod (the operator waking a hibernated bare pod)
+    again = mutate(changed, "team-a", CONFIG)
+    assert again.patch == [] and again.warnings == []
+    # the annotation alone (typed by a user) is not enough to be left alone
+    annotated = pod()
+    annotated["metadata"]["annotations"] = {"torpor.dev/managed-identity": "team-a/other"}
+    done = apply(annotated, mutate(annotated, "team-a", CONFIG).patch)
+    assert done["spec"]["containers"][0]["command"][1:3] == ["pod", "--"]
+    assert done["metadata"]["annotations"]["torpor.dev/managed-identity"] == "team-a/train-0"
+
+
 def test_the_answer_to_the_apiserver_always_allows_and_carries_the_patch() -> None:
     review = {"request": {"uid": "u1", "kind": {"kind": "Pod"}, "namespace": "team-a", "object": pod()}}
     response = review_response(review, CONFIG)["response"]

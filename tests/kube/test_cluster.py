@@ -19,7 +19,7 @@ import pytest
 
 from conftest import JOBS
 
-from .cluster import ROOT, Cluster, counter_statefulset
+from .cluster import ROOT, Cluster, counter_deployment, counter_statefulset
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu, pytest.mark.slow, pytest.mark.xdist_group("k8s")]
 
@@ -86,6 +86,39 @@ def test_a_drained_node_s_statefulset_pod_is_hibernated_and_continues_on_the_oth
         what="a periodic checkpoint on node2",
     )
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
+
+
+def test_a_deployment_s_drained_replica_is_continued_by_the_replacement_made_at_its_eviction(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.kubectl("cordon", "node2")
+    cluster.apply(counter_deployment(namespace, "api"))
+
+    def pod_on(node: str) -> str | None:
+        for pod in cluster.get("pods", "-n", namespace, "-l", "app=api")["items"]:
+            running = pod["status"].get("phase") == "Running" and "deletionTimestamp" not in pod["metadata"]
+            if running and pod["spec"].get("nodeName") == node:
+                return str(pod["metadata"]["name"])
+        return None
+
+    first = cluster.wait_for(lambda: pod_on("node1"), what="the replica to run on node1")
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, first))) > 3, what="the job to count")
+    cluster.kubectl("uncordon", "node2")
+    cluster.kubectl(
+        "drain", "node1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=150s", timeout=200
+    )
+    second = cluster.wait_for(lambda: pod_on("node2"), what="the replacement to run on node2")
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, second)
+        return text if len(steps(text)) > 3 else None
+
+    log = cluster.wait_for(counting, what="the job to count on node2")
+    assert "resumed its hibernated job" in log, log
+    (folder,) = (cluster.store / namespace).glob("replicaset-api-*/main")
+    everything = steps((folder / "slot-0/jobs/main/output.log").read_text())
+    assert everything == list(range(len(everything)))  # one job, continued: none lost or repeated
+    assert not (folder / "slot-1").exists()  # no second job started cold beside it
 
 
 def test_a_preempted_pod_is_hibernated_and_resumes_once_the_higher_one_is_gone(
@@ -272,6 +305,129 @@ def test_the_operator_keeps_a_resource_per_identity_and_removes_a_deleted_statef
         ),
         what="the operator to remove the deleted StatefulSet's checkpoints",
     )
+
+
+def _hibernated_state(cluster: Cluster, namespace: str, name: str) -> bool:
+    found = cluster.get("torporidentities", "-n", namespace, name, "--ignore-not-found")
+    slots = (found or {}).get("status", {}).get("slots", [])
+    return bool(slots) and all(slot["state"] == "hibernated" and not slot["held"] for slot in slots)
+
+
+def test_a_statefulset_s_identity_annotated_to_hibernate_stays_hibernated_until_the_annotation_goes(
+    cluster: Cluster, namespace: str
+) -> None:
+    cluster.apply(counter_statefulset(namespace, "sleepy"))
+    first = cluster.running_pod(namespace, "sleepy-0")
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, "sleepy-0"))) > 3, what="the job to count")
+    cluster.wait_for(
+        lambda: cluster.get("torporidentities", "-n", namespace, "sleepy-0", "--ignore-not-found"),
+        what="the operator to make the identity's resource",
+    )
+    # on its TorporIdentity (a pod's annotation goes the same way): moved to the StatefulSet
+    cluster.kubectl("annotate", "torporidentities", "-n", namespace, "sleepy-0", "torpor.dev/hibernate=true")
+
+    def scaled_down() -> dict[str, Any] | None:
+        found = cluster.get("statefulset", "-n", namespace, "sleepy")
+        return found if found["spec"]["replicas"] == 0 else None
+
+    statefulset = cluster.wait_for(scaled_down, what="the operator to scale the StatefulSet to zero")
+    annotations = statefulset["metadata"]["annotations"]
+    assert annotations["torpor.dev/hibernate"] == "true"
+    assert annotations["torpor.dev/replicas-before-hibernation"] == "1"
+    resource = cluster.get("torporidentities", "-n", namespace, "sleepy-0")
+    assert "torpor.dev/hibernate" not in resource["metadata"].get("annotations", {})  # moved
+    cluster.wait_for(
+        lambda: not cluster.get("pod", "-n", namespace, "sleepy-0", "--ignore-not-found"),
+        what="the pod to go",
+    )
+    cluster.wait_for(lambda: _hibernated_state(cluster, namespace, "sleepy-0"), what="the job hibernated")
+    assert any(e["reason"] == "Hibernated" for e in cluster.events(namespace, "sleepy-0"))
+    seen = steps((cluster.store / namespace / "sleepy-0/slot-0/jobs/main/output.log").read_text())
+    time.sleep(3)  # several passes of the operator: it stays hibernated
+    assert cluster.get("statefulset", "-n", namespace, "sleepy")["spec"]["replicas"] == 0
+
+    cluster.kubectl("annotate", "statefulset", "-n", namespace, "sleepy", "torpor.dev/hibernate-")
+    cluster.running_pod(namespace, "sleepy-0", not_uid=first["metadata"]["uid"])
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, "sleepy-0")
+        return text if len(steps(text)) > 2 else None
+
+    log = cluster.wait_for(counting, what="the job to count again")
+    assert "resumed its hibernated job" in log, log
+    assert steps(log)[0] == seen[-1] + 1
+    woken = cluster.get("statefulset", "-n", namespace, "sleepy")
+    assert woken["spec"]["replicas"] == 1
+    assert "torpor.dev/replicas-before-hibernation" not in woken["metadata"].get("annotations", {})
+
+
+def test_a_bare_pod_annotated_to_hibernate_is_deleted_and_created_again_when_the_annotation_goes(
+    cluster: Cluster, namespace: str
+) -> None:
+    template = counter_statefulset(namespace, "lone")["spec"]["template"]
+    metadata = {**template["metadata"], "name": "lone", "namespace": namespace}
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]})
+    first = cluster.running_pod(namespace, "lone")
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, "lone"))) > 3, what="the job to count")
+    resource = "pod-lone.main"  # its identity is team/pod-lone/main
+    cluster.wait_for(
+        lambda: cluster.get("torporidentities", "-n", namespace, resource, "--ignore-not-found"),
+        what="the operator to make the identity's resource",
+    )
+    cluster.kubectl("annotate", "pod", "-n", namespace, "lone", "torpor.dev/hibernate=true")
+    cluster.wait_for(
+        lambda: not cluster.get("pod", "-n", namespace, "lone", "--ignore-not-found"), what="the pod to go"
+    )
+    cluster.wait_for(lambda: _hibernated_state(cluster, namespace, resource), what="the job hibernated")
+    held = cluster.get("torporidentities", "-n", namespace, resource)
+    assert held["metadata"]["annotations"]["torpor.dev/hibernate"] == "true"
+    copy = cluster.store / ".operator/hibernated" / namespace / "lone.json"
+    assert copy.is_file() and copy.stat().st_mode & 0o077 == 0
+    time.sleep(3)
+    assert not cluster.get("pod", "-n", namespace, "lone", "--ignore-not-found")  # kept hibernated
+
+    cluster.kubectl("annotate", "torporidentities", "-n", namespace, resource, "torpor.dev/hibernate-")
+    second = cluster.running_pod(namespace, "lone", not_uid=first["metadata"]["uid"])
+    assert second["spec"]["containers"][0]["command"][1:4] == ["pod", "--", "python3"]  # changed once
+    assert "torpor.dev/hibernate" not in second["metadata"]["annotations"]
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, "lone")
+        return text if len(steps(text)) > 2 else None
+
+    log = cluster.wait_for(counting, what="the job to count again")
+    assert "resumed its hibernated job" in log, log
+    cluster.wait_for(lambda: not copy.exists(), what="the operator to drop its copy")
+
+
+def test_a_job_s_pod_annotated_to_hibernate_is_refused_with_a_warning(
+    cluster: Cluster, namespace: str
+) -> None:
+    template = counter_statefulset(namespace, "batch")["spec"]["template"]
+    template["spec"]["restartPolicy"] = "Never"
+    cluster.apply(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "batch", "namespace": namespace},
+            "spec": {"backoffLimit": 0, "template": template},
+        }
+    )
+    name = cluster.wait_for(
+        lambda: next(iter(cluster.get("pods", "-n", namespace, "-l", "job-name=batch")["items"]), None),
+        what="the Job's pod",
+    )["metadata"]["name"]
+    cluster.running_pod(namespace, name)
+    cluster.kubectl("annotate", "pod", "-n", namespace, name, "torpor.dev/hibernate=true")
+
+    def refused() -> list[dict[str, Any]]:
+        return [e for e in cluster.events(namespace, name) if e["reason"] == "HibernateRefused"]
+
+    (event,) = cluster.wait_for(refused, what="the operator to refuse")
+    assert event["type"] == "Warning" and "a Job cannot be scaled to zero" in event["message"]
+    time.sleep(3)
+    assert len(refused()) == 1  # said once
+    assert cluster.get("pod", "-n", namespace, name)["status"]["phase"] == "Running"
 
 
 def test_the_manifests_are_valid_for_the_cluster(cluster: Cluster) -> None:

@@ -10,7 +10,8 @@ A reconcile loop over the store (the volume the pods share, mounted here too) ev
 - an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) no longer exists has
   its checkpoints and folder deleted (each slot taken first: a pod still hibernating is waited for),
   then its resource (``torpor.policy.pod.orphaned``);
-- a resource whose identity is no longer in the store is deleted.
+- a resource whose identity is no longer in the store is deleted;
+- ``torpor.dev/hibernate: "true"`` keeps a pod hibernated until it goes (:mod:`torpor.apps.kubehold`).
 
 It keeps nothing of its own: killed and started again, it carries on from the store and the API. A
 reconcile loop rather than a watch: an owner deleted while the operator was down is still found.
@@ -26,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters import kubeapi
+from torpor.apps import kubehold
 from torpor.apps.agent.commands import seconds
 from torpor.core import pod
 from torpor.errors import TorporError, UsageError
 from torpor.policy import pod as pod_policy
 from torpor.settings import Settings
 
-GROUP, VERSION, PLURAL, KIND = "torpor.dev", "v1alpha1", "torporidentities", "TorporIdentity"
+GROUP, VERSION, PLURAL, KIND = kubehold.GROUP, kubehold.VERSION, kubehold.PLURAL, kubehold.KIND
 #: where each controller kind is in the API
 OWNER_PATHS = {
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets/{name}",
@@ -51,7 +53,9 @@ def add_parser(sub: Any) -> None:
             "The Kubernetes operator: every INTERVAL it reads the store the pods share and keeps a "
             "TorporIdentity resource (torpor.dev/v1alpha1) per identity with its slots' pods, nodes, states "
             "and checkpoints; an identity whose StatefulSet, ReplicaSet or Job was deleted has its "
-            "checkpoints removed. In the cluster it uses its service account; outside, --kubeconfig."
+            "checkpoints removed; a pod, controller or TorporIdentity annotated torpor.dev/hibernate=true is "
+            "hibernated and kept so (its controller scaled to zero, or a bare pod deleted) until the "
+            "annotation goes. In the cluster it uses its service account; outside, --kubeconfig."
         ),
     )
     p.add_argument("--store", required=True, help="the store folder the pods share (all namespaces)")
@@ -67,11 +71,6 @@ def _say(text: str) -> None:
 
 def _stamp(at: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-
-
-def _owner(text: str) -> pod_policy.Owner | None:
-    kind, _, name = text.partition("/")
-    return pod_policy.Owner(kind, name) if kind and name else None
 
 
 def status_of(slots: list[pod.SlotState]) -> dict[str, Any]:
@@ -112,6 +111,7 @@ class Operator:
         self.store = store
         self.settings = settings
         self.api = api
+        self.holder = kubehold.Holder(api, store / ".operator" / "hibernated", _say)
 
     def _path(self, namespace: str, name: str = "") -> str:
         base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
@@ -126,12 +126,16 @@ class Operator:
                 self._identity(identity, slots)
             except (kubeapi.KubeError, TorporError) as exc:
                 _say(f"{identity}: {exc}")
-        self._forget_gone(set(by_identity))
+        resources = (self.api.get(f"/apis/{GROUP}/{VERSION}/{PLURAL}") or {}).get(
+            "items", []
+        )  # all namespaces'
+        self._forget_gone(set(by_identity), resources)
+        self.holder.reconcile(resources, self._path)
 
     def _identity(self, identity: str, slots: list[pod.SlotState]) -> None:
         namespace, name = identity.split("/")[0], pod_policy.resource_name(identity)
         owners = {slot.pod.get("owner", "") for slot in slots} - {""}
-        owner = _owner(sorted(owners)[0]) if owners else None
+        owner = kubehold.parse_owner(sorted(owners)[0]) if owners else None
         if owner is not None and owner.kind in OWNER_PATHS:
             exists = self.api.get(OWNER_PATHS[owner.kind].format(ns=namespace, name=owner.name)) is not None
             if pod_policy.orphaned(owner, exists) and not any(slot.held for slot in slots):
@@ -153,9 +157,8 @@ class Operator:
             _say(f"{identity}: made {KIND} {namespace}/{name}")
         self.api.merge(f"{self._path(namespace, name)}/status", {"status": status_of(slots)})
 
-    def _forget_gone(self, identities: set[str]) -> None:
-        listed = self.api.get(f"/apis/{GROUP}/{VERSION}/{PLURAL}") or {}  # every namespace's
-        for item in listed.get("items", []):
+    def _forget_gone(self, identities: set[str], resources: list[dict[str, Any]]) -> None:
+        for item in resources:
             identity = str((item.get("spec") or {}).get("identity", ""))
             if identity not in identities:
                 namespace, name = str(item["metadata"]["namespace"]), str(item["metadata"]["name"])

@@ -17,7 +17,7 @@ A pod labelled ``torpor.dev/checkpoint: "true"`` gets its main container (the fi
 - the privileges CRIU needs (``privileged``, or the capabilities the reference lists with seccomp
   unconfined), and a termination grace long enough to hibernate.
 
-A pod it cannot handle (no command in its spec: the image's entrypoint is not known here; no identity;
+A pod changed already (created again from a copy of one that was) is left as it is. A pod it cannot handle (no command in its spec: the image's entrypoint is not known here; no identity;
 a container it cannot find) is admitted unchanged, and the reason is a warning.
 """
 
@@ -90,7 +90,8 @@ def opted_in(pod: Mapping[str, Any]) -> bool:
     return str(labels.get(pod_policy.OPT_IN_LABEL, "")).lower() == "true"
 
 
-def _controller(metadata: Mapping[str, Any]) -> pod_policy.Owner | None:
+def controller_of(metadata: Mapping[str, Any]) -> pod_policy.Owner | None:
+    """The controller in an object's ``ownerReferences`` (``controller: true``), if any."""
     for ref in metadata.get("ownerReferences") or ():
         if ref.get("controller"):
             return pod_policy.Owner(str(ref.get("kind", "")), str(ref.get("name", "")))
@@ -114,12 +115,16 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
     if index is None:
         return _unchanged(f"no container named '{wanted}'" if wanted else "no container")
     container = containers[index]
+    if IDENTITY_SET_ANNOTATION in annotations and list(container.get("command") or ())[:3] == [
+        config.torpor, "pod", "--"
+    ]:  # fmt: skip
+        return Mutation([], [])  # changed already: a pod created again from a changed one (kubehold)
     if not container.get("command"):
         return _unchanged(
             f"container '{container.get('name')}' has no command in the pod spec (its image's "
             "entrypoint is not known to the webhook): give 'command'"
         )
-    owner = _controller(metadata)
+    owner = controller_of(metadata)
     try:
         identity = pod_policy.identity(
             namespace,
@@ -203,7 +208,11 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
     if not annotations:
         patch.append({"op": "add", "path": "/metadata/annotations", "value": {}})
     patch.append(
-        {"op": "add", "path": f"/metadata/annotations/{_escape(IDENTITY_SET_ANNOTATION)}", "value": identity}
+        {
+            "op": "replace" if IDENTITY_SET_ANNOTATION in annotations else "add",
+            "path": f"/metadata/annotations/{_escape(IDENTITY_SET_ANNOTATION)}",
+            "value": identity,
+        }
     )
     return Mutation(patch, [], identity)
 
