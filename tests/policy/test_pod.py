@@ -147,6 +147,8 @@ def test_each_slot_has_its_own_s3_prefix_under_its_namespace_s() -> None:
         ("s3:///prefix", "team-a/web-0", "is not an S3 cold tier"),
     ],
 )
-def test_what_cannot_make_a_slot_s_s3_prefix_is_refused_saying_why(base: str, identity: str, why: str) -> None:
+def test_what_cannot_make_a_slot_s_s3_prefix_is_refused_saying_why(
+    base: str, identity: str, why: str
+) -> None:
     with pytest.raises(ValueError, match=why):
         slot_cold_tier(base, identity, 0)
