@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import JOBS, S3_ENV, TORPOR
+from torpor.core.store import config as store_config
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -248,3 +249,21 @@ def test_with_an_s3_cold_tier_each_slot_s_images_are_in_its_own_prefix_and_the_n
     said = moved.said()
     assert f"were stored with s3://{bucket}/torpor/team-a/web-0/slot-0" in said, said
     assert f"TORPOR_STORE=s3://{bucket}/elsewhere/team-a/web-0/slot-0" in said and moved.output() == ""
+
+
+@pytest.mark.s3
+def test_a_slot_without_checkpoints_takes_the_new_s3_cold_tier(
+    store: tuple[Path, dict[str, str]], s3_endpoint: str
+) -> None:
+    folder, env = store
+    slot = folder / "web-0/slot-0"
+    slot.mkdir(parents=True, mode=0o700)
+    # the webhook's s3_url changed after a pod of this identity ended its job: nothing to lose
+    store_config.save(slot, store_config.StoreConfig(url="s3://old-bucket/torpor/team-a/web-0/slot-0"))
+    bucket = f"torpor-{uuid.uuid4().hex[:8]}"
+    pods = {**env, "TORPOR_POD_S3": f"s3://{bucket}", "TORPOR_S3_ENDPOINT": s3_endpoint}
+    pod = Pod(folder, pods, "a", "python3", "-u", str(JOBS / "counter.py"), "0")
+    assert pod.process.wait(60) == 0, pod.said()
+    assert store_config.load(slot) == store_config.StoreConfig(
+        url=f"s3://{bucket}/team-a/web-0/slot-0", s3_endpoint=s3_endpoint
+    )
