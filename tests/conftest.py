@@ -150,6 +150,58 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+MOTO = str(Path(sys.executable).parent / "moto_server")
+#: moto's credentials: any will do, as long as each client gives some
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@contextmanager
+def moto_server(host: str = "127.0.0.1") -> Iterator[str]:
+    """A real S3-compatible HTTP server (moto's server mode) on an ephemeral port of ``host``: its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [MOTO, "-H", host, "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **S3_ENV},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        yield f"http://{host}:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """:func:`moto_server` on loopback, with its credentials in this process's environment (boto3's)."""
+    with moto_server() as endpoint:
+        saved = {key: os.environ.get(key) for key in S3_ENV}
+        os.environ.update(S3_ENV)
+        try:
+            yield endpoint
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
 @pytest.fixture
 def readable_folder() -> Iterator[Path]:
     """A folder every user may look into (pytest's tmp_path is root's alone), removed after the test."""

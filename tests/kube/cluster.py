@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "scripts/k8s/cluster.sh"
 CACHE = Path(os.environ.get("TORPOR_K8S_CACHE", "/var/cache/torpor-k8s"))
 WORK = Path(os.environ.get("TORPOR_K8S_WORK", "/var/tmp/torpor-k8s"))
-API_ADDRESS = "10.254.254.1:16443"  # scripts/k8s/cluster.sh
+#: the first node's address on the node network: the host, as the pods reach it (scripts/k8s/cluster.sh)
+NODE_HOST = "10.254.254.1"
+API_ADDRESS = f"{NODE_HOST}:16443"
+#: a namespace with this label is changed by the webhook of that name (Cluster.webhook), not the session's
+WEBHOOK_LABEL = "torpor.dev/test-webhook"
 
 
 def kubernetes_missing() -> str | None:
@@ -45,6 +50,10 @@ class Cluster:
     store: Path
     #: a certificate (the webhook's), for manifests that need one
     certificate: Path
+    #: the session webhook's settings (webhook.json)
+    webhook_config: dict[str, Any]
+    #: where the session's webhooks keep their files
+    folder: Path
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 180) -> str:
         result = subprocess.run(
@@ -89,6 +98,24 @@ class Cluster:
     def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
         found = self.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={pod}")
         return list(found["items"])
+
+    @contextlib.contextmanager
+    def webhook(self, namespace: str, **settings: Any) -> Iterator[None]:
+        """A webhook of its own for the pods of ``namespace``: the session's settings with ``settings``
+        (``env`` added to the session's), instead of the session's webhook, until the block ends."""
+        name = f"torpor-test-{namespace}"
+        env = {**self.webhook_config.get("env", {}), **settings.pop("env", {})}
+        config = {**self.webhook_config, **settings, "env": env}
+        self.kubectl("label", "namespace", namespace, f"{WEBHOOK_LABEL}={name}")
+        process = start_webhook(
+            self, self.folder / name, config, name, {"matchLabels": {WEBHOOK_LABEL: name}}
+        )
+        try:
+            yield
+        finally:
+            self.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+            process.terminate()
+            process.wait(10)
 
     def namespace(self, name: str) -> None:
         """A namespace whose pods may tell Kubernetes what torpor did (deploy/kubernetes/pod-access.yaml)."""
@@ -165,6 +192,74 @@ def counter_deployment(namespace: str, name: str, **kwargs: Any) -> dict[str, An
     }
 
 
+def start_webhook(
+    cluster: Cluster, folder: Path, config: dict[str, Any], name: str, namespaces: dict[str, Any]
+) -> subprocess.Popen[bytes]:
+    """``torpor webhook`` on the host with ``config``, its files in ``folder``, and the
+    MutatingWebhookConfiguration ``name`` that sends it the opted-in pods of the ``namespaces``
+    (a namespaceSelector)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "webhook.json").write_text(json.dumps(config))
+    cert, key = cluster.certificate, cluster.certificate.with_suffix(".key")
+    port = free_port()
+    with (folder / "webhook.log").open("wb") as log:
+        process = subprocess.Popen(
+            [TORPOR, "webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key),
+             "--config", str(folder / "webhook.json")],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        # a pod created before it listens would be admitted unchanged (failurePolicy: Ignore)
+        _wait_listening(port, process)
+        cluster.apply(
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": name},
+                "webhooks": [
+                    {
+                        "name": "pods.torpor.dev",
+                        "admissionReviewVersions": ["v1"],
+                        "sideEffects": "None",
+                        "failurePolicy": "Ignore",
+                        "timeoutSeconds": 5,
+                        "namespaceSelector": namespaces,
+                        "objectSelector": {"matchLabels": {"torpor.dev/checkpoint": "true"}},
+                        "rules": [
+                            {
+                                "operations": ["CREATE"],
+                                "apiGroups": [""],
+                                "apiVersions": ["v1"],
+                                "resources": ["pods"],
+                            }
+                        ],
+                        "clientConfig": {
+                            "url": f"https://127.0.0.1:{port}/mutate",
+                            "caBundle": base64.b64encode(cert.read_bytes()).decode(),
+                        },
+                    }
+                ],
+            }
+        )
+    except BaseException:
+        process.terminate()
+        process.wait(10)
+        raise
+    return process
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"torpor webhook on port {port} did not start") from None
+            time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running(folder: Path) -> Iterator[Cluster]:
     """Bring the cluster up with the webhook and the operator (their files in ``folder``), and tear it
@@ -189,16 +284,8 @@ def running(folder: Path) -> Iterator[Cluster]:
             # the pods reach the apiserver at the first node's address (there is no kube-proxy here)
             "env": {"TORPOR_KUBE_API": f"https://{API_ADDRESS}"},
         }
-        (folder / "webhook.json").write_text(json.dumps(config))
-        cert, key = certificate(folder)
-        port = free_port()
-        with (folder / "webhook.log").open("wb") as log:
-            webhook = subprocess.Popen(
-                [TORPOR, "webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key),
-                 "--config", str(folder / "webhook.json")],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        instance = Cluster(env, store, cert)
+        cert, _key = certificate(folder)
+        instance = Cluster(env, store, cert, config, folder)
         instance.kubectl("apply", "-f", str(ROOT / "deploy/kubernetes/crd.yaml"))
         store.mkdir(mode=0o700)
         with (folder / "operator.log").open("wb") as log:
@@ -206,35 +293,9 @@ def running(folder: Path) -> Iterator[Cluster]:
                 [TORPOR, "operator", "--store", str(store), "--kubeconfig", env["KUBECONFIG"], "--interval", "1s"],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        instance.apply(
-            {
-                "apiVersion": "admissionregistration.k8s.io/v1",
-                "kind": "MutatingWebhookConfiguration",
-                "metadata": {"name": "torpor-test"},
-                "webhooks": [
-                    {
-                        "name": "pods.torpor.dev",
-                        "admissionReviewVersions": ["v1"],
-                        "sideEffects": "None",
-                        "failurePolicy": "Ignore",
-                        "timeoutSeconds": 5,
-                        "objectSelector": {"matchLabels": {"torpor.dev/checkpoint": "true"}},
-                        "rules": [
-                            {
-                                "operations": ["CREATE"],
-                                "apiGroups": [""],
-                                "apiVersions": ["v1"],
-                                "resources": ["pods"],
-                            }
-                        ],
-                        "clientConfig": {
-                            "url": f"https://127.0.0.1:{port}/mutate",
-                            "caBundle": base64.b64encode(cert.read_bytes()).decode(),
-                        },
-                    }
-                ],
-            }
-        )
+        # every namespace but those a test gives a webhook of their own (Cluster.webhook)
+        others = {"matchExpressions": [{"key": WEBHOOK_LABEL, "operator": "DoesNotExist"}]}
+        webhook = start_webhook(instance, folder, config, "torpor-test", others)
         yield instance
     finally:
         for process in (webhook, operator):

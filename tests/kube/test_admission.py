@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 from typing import Any
 
 import pytest
@@ -182,3 +183,76 @@ def test_webhook_settings_are_checked() -> None:
     assert WebhookConfig.from_dict({"store_claim": "c"}).store_host_path is None
     with pytest.raises(ValueError, match="one of store_host_path and store_claim"):
         WebhookConfig.from_dict({"store_claim": "c", "store_host_path": "/x"})
+
+
+S3 = WebhookConfig.from_dict(
+    {"s3_url": "s3://ckpt/torpor/", "s3_endpoint": "http://minio.storage:9000", "s3_secret": "torpor-s3"}
+)
+
+
+def test_an_s3_cold_tier_gets_its_credentials_from_the_namespace_s_secret_and_its_key_as_a_file() -> None:
+    changed = apply(pod(), mutate(pod(), "team-a", S3).patch)
+    main = changed["spec"]["containers"][0]
+    env = env_of(main)
+    assert env["TORPOR_POD_S3"] == "s3://ckpt/torpor"  # the base: the supervisor adds each slot's prefix
+    assert env["TORPOR_S3_ENDPOINT"] == "http://minio.storage:9000"
+    # under torpor's own names: the job's own AWS_* (if any) stay its own
+    assert env["TORPOR_S3_ACCESS_KEY_ID"] == {
+        "secretKeyRef": {"name": "torpor-s3", "key": "AWS_ACCESS_KEY_ID", "optional": False}
+    }
+    assert env["TORPOR_S3_SECRET_ACCESS_KEY"] == {
+        "secretKeyRef": {"name": "torpor-s3", "key": "AWS_SECRET_ACCESS_KEY", "optional": False}
+    }
+    assert "AWS_ACCESS_KEY_ID" not in env
+    assert env["TORPOR_POD_S3_KEY"] == "/run/torpor-s3/key"
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    assert mounts["torpor-s3-key"] == {
+        "name": "torpor-s3-key",
+        "mountPath": "/run/torpor-s3",
+        "readOnly": True,
+    }
+    assert "torpor-store" in mounts  # the slots' locks and records stay on the store volume
+    volumes = {v["name"]: v for v in changed["spec"]["volumes"]}
+    assert volumes["torpor-s3-key"]["secret"] == {
+        "secretName": "torpor-s3",
+        "items": [{"key": "key", "path": "key"}],
+        "defaultMode": 0o400,
+        "optional": True,  # a Secret without a key: images stored unencrypted
+    }
+    # torpor's own volumes are not what the job depends on
+    assert json.loads(env["TORPOR_POD_NEEDS"]) == {"image": "trainer:1", "volumes": []}
+
+
+def test_an_s3_cold_tier_without_a_secret_uses_the_pod_s_own_credentials() -> None:
+    config = WebhookConfig.from_dict({"s3_url": "s3://ckpt"})
+    changed = apply(pod(), mutate(pod(), "team-a", config).patch)
+    env = env_of(changed["spec"]["containers"][0])
+    assert env["TORPOR_POD_S3"] == "s3://ckpt"
+    assert not {"TORPOR_S3_ENDPOINT", "TORPOR_S3_ACCESS_KEY_ID", "TORPOR_POD_S3_KEY"} & set(env)
+    assert "torpor-s3-key" not in {v["name"] for v in changed["spec"]["volumes"]}
+    assert "TORPOR_POD_S3" not in env_of(
+        apply(pod(), mutate(pod(), "team-a", CONFIG).patch)["spec"]["containers"][0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"s3_secret": "torpor-s3"}, "s3_secret is a setting of the S3 cold tier: give s3_url too"),
+        ({"s3_endpoint": "http://m:9000"}, "s3_endpoint is a setting of the S3 cold tier"),
+        ({"s3_url": "/var/lib/store"}, "is not s3://BUCKET"),
+        ({"s3_url": "s3:///prefix"}, "is not s3://BUCKET"),
+        ({"s3_url": "s3://Bad_Bucket/x"}, "is not an S3 bucket name"),
+        ({"s3_url": "s3://ckpt/a/../b"}, "its prefix has an empty, '.' or '..' part"),
+        ({"s3_url": "s3://ckpt", "s3_endpoint": "minio:9000"}, "is not an http:// or https:// URL"),
+        ({"s3_url": "s3://ckpt", "s3_secret": "Torpor_S3"}, "is not a Secret's name"),
+        ({"env": {"TORPOR_STORE": "s3://ckpt"}}, "env sets TORPOR_STORE: give the cold tier as s3_url"),
+        (
+            {"s3_url": "s3://ckpt", "s3_secret": "s", "env": {"TORPOR_KEY_FILE": "/k"}},
+            "comes from the Secret",
+        ),
+    ],
+)
+def test_s3_settings_are_checked(settings: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        WebhookConfig.from_dict(settings)

@@ -4,8 +4,10 @@ admission webhook, are hibernated when they are evicted and continue on the othe
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from conftest import JOBS
+from conftest import JOBS, S3_ENV, moto_server
 
-from .cluster import ROOT, Cluster, counter_deployment, counter_statefulset
+from .cluster import NODE_HOST, ROOT, Cluster, counter_deployment, counter_statefulset
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu, pytest.mark.slow, pytest.mark.xdist_group("k8s")]
 
@@ -119,6 +121,97 @@ def test_a_deployment_s_drained_replica_is_continued_by_the_replacement_made_at_
     everything = steps((folder / "slot-0/jobs/main/output.log").read_text())
     assert everything == list(range(len(everything)))  # one job, continued: none lost or repeated
     assert not (folder / "slot-1").exists()  # no second job started cold beside it
+
+
+@pytest.mark.s3
+def test_a_drained_pod_with_an_s3_cold_tier_continues_on_the_other_node_from_its_images_in_the_bucket(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    import boto3
+
+    with moto_server(NODE_HOST) as endpoint:  # on the host, where the pods reach it
+        bucket = f"torpor-{uuid.uuid4().hex[:8]}"
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            region_name=S3_ENV["AWS_DEFAULT_REGION"],
+        )
+        s3.create_bucket(Bucket=bucket)
+        key = tmp_path / "key"
+        key.write_bytes(os.urandom(32))
+        cluster.kubectl(
+            "create", "secret", "generic", "torpor-s3", "-n", namespace,
+            f"--from-literal=AWS_ACCESS_KEY_ID={S3_ENV['AWS_ACCESS_KEY_ID']}",
+            f"--from-literal=AWS_SECRET_ACCESS_KEY={S3_ENV['AWS_SECRET_ACCESS_KEY']}",
+            f"--from-file=key={key}",
+        )  # fmt: skip
+        settings = {
+            "s3_url": f"s3://{bucket}/torpor",
+            "s3_endpoint": endpoint,
+            "s3_secret": "torpor-s3",
+            "env": {"AWS_DEFAULT_REGION": S3_ENV["AWS_DEFAULT_REGION"]},
+        }
+        with cluster.webhook(namespace, **settings):
+            cluster.kubectl("cordon", "node2")  # it starts on node1
+            cluster.apply(counter_statefulset(namespace, "counter"))
+            first = cluster.running_pod(namespace, "counter-0")
+            assert first["spec"]["nodeName"] == "node1"
+            cluster.wait_for(
+                lambda: len(steps(cluster.logs(namespace, "counter-0"))) > 5, what="the job to count"
+            )
+            seen = steps(cluster.logs(namespace, "counter-0"))
+            cluster.kubectl("uncordon", "node2")
+            cluster.kubectl(
+                "drain",
+                "node1",
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--timeout=150s",
+                timeout=200,
+            )
+            second = cluster.running_pod(namespace, "counter-0", not_uid=first["metadata"]["uid"])
+            assert second["spec"]["nodeName"] == "node2"
+
+            def counting() -> str | None:
+                text = cluster.logs(namespace, "counter-0")
+                return text if len(steps(text)) > 3 else None
+
+            log = cluster.wait_for(counting, what="the job to count on node2")
+            found = re.search(r"resumed its hibernated job: restored from (\w+) taken on node1", log)
+            assert found, log
+            assert steps(log)[0] > seen[-1]
+
+            # its images are in the bucket, under its namespace's and slot's prefix; the store volume
+            # has the slot's records only
+            prefix = f"torpor/{namespace}/counter-0/slot-0/"
+            listed = {item["Key"] for item in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+            assert f"{prefix}manifests/{found.group(1)}" in listed
+            assert all(name.startswith(prefix) for name in listed), listed
+            slot = cluster.store / namespace / "counter-0/slot-0"
+            assert (slot / "torpor.db").is_file() and not (slot / "images").exists()
+            config = json.loads((slot / "store.json").read_text())
+            assert config["url"] == f"s3://{bucket}/{prefix.rstrip('/')}"
+            assert config["key_file"] == "/run/torpor-s3/key"  # the Secret's key: encrypted images
+            # the credentials are under torpor's own names, which the supervisor keeps from the job
+            main = second["spec"]["containers"][0]
+            assert "AWS_ACCESS_KEY_ID" not in {e["name"] for e in main["env"]}
+            # clean up while the bucket is there (the pod hibernates into it as it goes), and the
+            # identity's folder by hand: the operator has neither the namespace's credentials nor its
+            # key, so its clean-up of an S3 slot would fail, and try again at every pass
+            cluster.kubectl("delete", "statefulset", "-n", namespace, "counter", "--wait=true")
+            cluster.wait_for(
+                lambda: not cluster.get("pods", "-n", namespace, "--ignore-not-found").get("items"),
+                what="the pod to be gone",
+            )
+            shutil.rmtree(cluster.store / namespace / "counter-0", ignore_errors=True)
+            cluster.wait_for(
+                lambda: (
+                    not cluster.get("torporidentities", "-n", namespace, "--ignore-not-found").get("items")
+                ),
+                what="the operator to drop the identity's resource",
+            )
 
 
 def test_a_preempted_pod_is_hibernated_and_resumes_once_the_higher_one_is_gone(

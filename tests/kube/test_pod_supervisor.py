@@ -1,6 +1,6 @@
 """The in-pod supervisor (``torpor pod``) on this machine, with real CRIU: pods are played by processes
-that share a store folder, as pods on two nodes share the store volume. Kubernetes itself is in
-test_cluster.py."""
+that share a store folder, as pods on two nodes share the store volume; with an S3 cold tier, against a
+real S3-compatible server on loopback (moto). Kubernetes itself is in test_cluster.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, TORPOR
+from conftest import JOBS, S3_ENV, TORPOR
+from torpor.core.store import config as store_config
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -186,3 +187,83 @@ def test_a_pod_with_another_image_starts_cold_saying_why(store: tuple[Path, dict
         in (second.said())
     )
     assert second.stop() == 0
+
+
+@pytest.mark.s3
+def test_with_an_s3_cold_tier_each_slot_s_images_are_in_its_own_prefix_and_the_next_pod_resumes_from_there(
+    store: tuple[Path, dict[str, str]], s3_endpoint: str
+) -> None:
+    import boto3
+
+    folder, env = store
+    bucket = f"torpor-{uuid.uuid4().hex[:8]}"
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket=bucket)
+    # torpor's credentials under its own names (the webhook's, from the namespace's Secret), and the
+    # job's own AWS_* which must stay its own
+    pods = {
+        **{key: value for key, value in env.items() if key not in S3_ENV},
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ACCESS_KEY_ID": "the-job-s-own",
+        "TORPOR_S3_ACCESS_KEY_ID": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "TORPOR_S3_SECRET_ACCESS_KEY": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "TORPOR_POD_S3": f"s3://{bucket}/torpor",
+        "TORPOR_S3_ENDPOINT": s3_endpoint,
+    }
+    show = 'echo "job sees ${AWS_ACCESS_KEY_ID:-no key} ${TORPOR_S3_ACCESS_KEY_ID:-nothing of torpor}"'
+    command = ("sh", "-c", f"{show}; exec python3 -u {JOBS / 'counter.py'}")
+    first = Pod(folder, pods, "a", *command)
+    first.wait_output(r"^step 5$")
+    assert "job sees the-job-s-own nothing of torpor" in first.output()
+    assert first.stop() == 0, first.said()
+    last = steps(first.output())[-1]
+    (checkpoint,) = re.findall(r"hibernated by torpor: checkpoint (\w+)", first.said())
+
+    prefix = "torpor/team-a/web-0/slot-0/"
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    names = {item["Key"].removeprefix(prefix).split("/")[0] for item in listed}
+    assert f"{prefix}manifests/{checkpoint}" in {item["Key"] for item in listed}
+    assert names & {"packs", "chunks"}, names  # the memory pages are there too
+    assert all(item["Key"].startswith(prefix) for item in s3.list_objects_v2(Bucket=bucket)["Contents"])
+    slot = folder / "web-0/slot-0"
+    # not in the store volume: the slot keeps its records only
+    assert not (slot / "images").exists() and not list(slot.rglob("pages-*.img"))
+    assert json.loads((slot / "store.json").read_text())["url"] == f"s3://{bucket}/{prefix.rstrip('/')}"
+
+    # the next pod, on "another node": a hot tier of its own, and nothing left in the first one's
+    shutil.rmtree(Path(env["TORPOR_HOT_DIR"]), ignore_errors=True)
+    other_hot = Path("/dev/shm") / f"torpor-test-{uuid.uuid4().hex[:8]}"
+    try:
+        second = Pod(folder, {**pods, "TORPOR_HOT_DIR": str(other_hot)}, "b", *command)
+        second.wait_output(rf"^step {last + 3}$")
+        assert steps(second.output())[0] == last + 1, second.said()
+        assert f"resumed its hibernated job: restored from {checkpoint}" in second.said()
+        assert second.stop() == 0, second.said()
+    finally:
+        shutil.rmtree(other_hot, ignore_errors=True)
+
+    # the webhook's s3_url changed: the slot's checkpoints are not left behind silently
+    moved = Pod(folder, {**pods, "TORPOR_POD_S3": f"s3://{bucket}/elsewhere"}, "c", *command)
+    assert moved.process.wait(60) != 0
+    said = moved.said()
+    assert f"were stored with s3://{bucket}/torpor/team-a/web-0/slot-0" in said, said
+    assert f"TORPOR_STORE=s3://{bucket}/elsewhere/team-a/web-0/slot-0" in said and moved.output() == ""
+
+
+@pytest.mark.s3
+def test_a_slot_without_checkpoints_takes_the_new_s3_cold_tier(
+    store: tuple[Path, dict[str, str]], s3_endpoint: str
+) -> None:
+    folder, env = store
+    slot = folder / "web-0/slot-0"
+    slot.mkdir(parents=True, mode=0o700)
+    # the webhook's s3_url changed after a pod of this identity ended its job: nothing to lose
+    store_config.save(slot, store_config.StoreConfig(url="s3://old-bucket/torpor/team-a/web-0/slot-0"))
+    bucket = f"torpor-{uuid.uuid4().hex[:8]}"
+    pods = {**env, "TORPOR_POD_S3": f"s3://{bucket}", "TORPOR_S3_ENDPOINT": s3_endpoint}
+    pod = Pod(folder, pods, "a", "python3", "-u", str(JOBS / "counter.py"), "0")
+    assert pod.process.wait(60) == 0, pod.said()
+    assert store_config.load(slot) == store_config.StoreConfig(
+        url=f"s3://{bucket}/team-a/web-0/slot-0", s3_endpoint=s3_endpoint
+    )

@@ -1,4 +1,5 @@
-"""A pod's identity and what its supervisor does when it starts (torpor.policy.pod)."""
+"""A pod's identity, what its supervisor does when it starts, and where each slot's checkpoints go in a
+shared S3 cold tier (torpor.policy.pod)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torpor.policy.pod import (
     on_start,
     orphaned,
     resource_name,
+    slot_cold_tier,
     slot_name,
 )
 
@@ -120,3 +122,33 @@ def test_an_interchangeable_pod_continues_a_job_waits_for_one_being_hibernated_o
     assert choose_slot(free_job[:2]) == SlotChoice(1, wait=True)  # then one about to be free
     assert choose_slot([view(1, True, False, False), view(0, False, True, False)]) == SlotChoice(1)
     assert choose_slot([view(0, False, True, False), view(2, False, True, False)]) == SlotChoice(1)
+
+
+def test_each_slot_has_its_own_s3_prefix_under_its_namespace_s() -> None:
+    assert slot_cold_tier("s3://ckpt", "team-a/web-0", 0) == "s3://ckpt/team-a/web-0/slot-0"
+    assert (
+        slot_cold_tier("s3://ckpt/torpor/", "team-a/replicaset-api-5d9f/main", 2)
+        == "s3://ckpt/torpor/team-a/replicaset-api-5d9f/main/slot-2"
+    )
+    # two slots of one identity, or one name in two namespaces: never the same prefix
+    assert slot_cold_tier("s3://b", "team-a/web-0", 1) != slot_cold_tier("s3://b", "team-a/web-0", 0)
+    assert slot_cold_tier("s3://b", "team-b/web-0", 0) != slot_cold_tier("s3://b", "team-a/web-0", 0)
+
+
+@pytest.mark.parametrize(
+    ("base", "identity", "why"),
+    [
+        ("s3://b", "team-a/../team-b/web-0", "cannot name an S3 prefix"),
+        ("s3://b", "team-a/.hidden", "cannot name an S3 prefix"),
+        ("s3://b", "team-a/Web_0", "cannot name an S3 prefix"),
+        ("s3://b", "team-a//web-0", "cannot name an S3 prefix"),
+        ("s3://b", "web-0", "must be NAMESPACE/NAME"),
+        ("/var/lib/store", "team-a/web-0", "is not an S3 cold tier"),
+        ("s3:///prefix", "team-a/web-0", "is not an S3 cold tier"),
+    ],
+)
+def test_what_cannot_make_a_slot_s_s3_prefix_is_refused_saying_why(
+    base: str, identity: str, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        slot_cold_tier(base, identity, 0)

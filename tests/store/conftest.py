@@ -1,4 +1,5 @@
-"""Fixtures of the store tests: backends (a folder; S3 through a real moto server on loopback), synthetic
+"""Fixtures of the store tests: backends (a folder; S3 through a real moto server on loopback, the
+``s3_endpoint`` of tests/conftest.py), synthetic
 CRIU image folders (pages + pagemap written the way CRIU writes them) and torpor settings whose hot tier
 is a private folder in /dev/shm.
 """
@@ -7,9 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.system import disk
 from torpor.core.store.backend import Backend
@@ -25,46 +23,6 @@ from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
 from torpor.core.store.repository import Repository
 from torpor.settings import Settings
-
-MOTO = str(Path(sys.executable).parent / "moto_server")
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A real S3-compatible HTTP server (moto's server mode) on an ephemeral loopback port."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **S3_ENV},
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.1)
-    saved = {key: os.environ.get(key) for key in S3_ENV}
-    os.environ.update(S3_ENV)
-    yield f"http://127.0.0.1:{port}"
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def s3_backend(endpoint: str, bucket: str | None = None) -> Backend:

@@ -74,6 +74,18 @@ def add_parsers(sub: Any, add: Any) -> None:
         default=_flag(env.get("TORPOR_LAZY_RESTORE")),
         help="restore lazily: the job runs before all of its memory is read ($TORPOR_LAZY_RESTORE)",
     )
+    p.add_argument(
+        "--s3",
+        default=env.get("TORPOR_POD_S3"),
+        metavar="s3://BUCKET[/PREFIX]",
+        help="keep the checkpoint images in S3, each slot under PREFIX/NAMESPACE/NAME/slot-N ($TORPOR_POD_S3)",
+    )
+    p.add_argument(
+        "--s3-key-file",
+        default=env.get("TORPOR_POD_S3_KEY"),
+        metavar="FILE",
+        help="encrypt them with the 32-byte key in FILE, if it exists ($TORPOR_POD_S3_KEY)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=cmd_pod, needs_settings=True, every_env=every)
     webhook.add_parser(sub)
@@ -105,12 +117,36 @@ def cmd_pod(settings: Settings, args: argparse.Namespace) -> int:
         every_s=every,
         lazy=args.lazy,
         pod=pod.PodInfo.from_environment(),
+        s3_base=args.s3 or None,
+        s3_key_file=Path(args.s3_key_file) if args.s3_key_file else None,
+        job_env=_take_s3_credentials(),
     )
     supervisor = pod.Supervisor(spec, settings, api=kubeapi.KubeAPI.in_cluster())
     if os.getpid() == 1:
         return _as_init(supervisor)
     pod.install_signal_handlers(supervisor)
     return supervisor.run()
+
+
+#: torpor's S3 credentials (from the namespace's Secret, the webhook's s3_secret) and the names boto3
+#: reads them by
+S3_CREDENTIALS = {
+    "TORPOR_S3_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+    "TORPOR_S3_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+}
+
+
+def _take_s3_credentials() -> dict[str, str] | None:
+    """Give torpor's S3 credentials to this process and the launchers and destagers it starts (as
+    ``AWS_*``, which boto3 reads), and return the environment the job starts in: the pod's, with the
+    job's own ``AWS_*`` (if any) and without torpor's. None where the pod has no credentials of torpor's."""
+    if not any(name in os.environ for name in S3_CREDENTIALS):
+        return None
+    job_env = {name: value for name, value in os.environ.items() if name not in S3_CREDENTIALS}
+    for ours, boto in S3_CREDENTIALS.items():
+        if ours in os.environ:
+            os.environ[boto] = os.environ.pop(ours)
+    return job_env
 
 
 def _as_init(supervisor: pod.Supervisor) -> int:

@@ -16,6 +16,12 @@ hibernated is stopped the plain way, saying why. A job that exits by itself ends
 supervisor exits with its exit code and its checkpoints are deleted. With ``every_s`` it checkpoints
 the job periodically (stretched to the overhead budget, :mod:`torpor.policy.periodic`), which is what a
 pod killed without a grace period, or on a node that died, comes back from.
+
+With an S3 cold tier (``s3_base``, the webhook's ``s3_url``) the checkpoint images of each slot go to a
+prefix of its own (:func:`torpor.policy.pod.slot_cold_tier`), written into the slot's store
+configuration on its first use; the store volume keeps the rest. A slot whose checkpoints were stored
+elsewhere (the webhook's settings changed since) is refused, saying where they are, rather than
+continued without them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torpor.adapters.system import private, procfs
 from torpor.core.engine import Engine, unsupervised
 from torpor.core.records import Records
 from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, Checkpoint, Job, JobState
+from torpor.core.store import config as store_config
 from torpor.errors import JobNotFound, TorporError, UsageError
 from torpor.policy import periodic
 from torpor.policy import pod as pod_policy
@@ -93,6 +100,13 @@ class PodSpec:
     every_s: float | None = None
     lazy: bool = False
     pod: PodInfo = PodInfo()
+    #: the S3 cold tier each slot has a prefix of, ``s3://BUCKET[/PREFIX]``; None: the slot's folder
+    s3_base: str | None = None
+    #: the key that encrypts the S3 cold tier's images, used where the file exists (the namespace's
+    #: Secret may have none)
+    s3_key_file: Path | None = None
+    #: the environment the job starts in (None: the supervisor's own)
+    job_env: dict[str, str] | None = None
 
 
 def identity_dir(store: Path, identity: str) -> Path:
@@ -322,6 +336,14 @@ def remove_identity(store: Path, identity: str, settings: Settings, wait_s: floa
     return deleted
 
 
+def _has_checkpoints(home: Path) -> bool:
+    """Whether the state directory ``home`` has a checkpoint of any job."""
+    if not (home / "torpor.db").is_file():
+        return False
+    records = Records(home / "torpor.db")
+    return any(records.checkpoints(job.name) for job in records.jobs())
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return _json_object(path.read_text())
@@ -408,9 +430,10 @@ class Supervisor:
         """Start or continue the job, supervise it, and return the pod's exit code."""
         folder = identity_dir(self.spec.store, self.spec.identity)
         with Slot.take(folder, self.spec.interchangeable, lambda text: self.tell("Waiting", text)) as slot:
+            settings = self._slot_settings(slot)
             previous = slot.previous()
             slot.record(self.spec.pod, started_at=time.time(), where=_here(), needs=self.spec.pod.needs)
-            engine = Engine(replace(self.settings, home=slot.home))
+            engine = Engine(settings)
             offset = self._start(engine, slot, previous)
             follower = threading.Thread(target=self._follow, args=(engine, offset), daemon=True)
             follower.start()
@@ -421,6 +444,56 @@ class Supervisor:
                 follower.join(timeout=5)
 
     # -- starting ----------------------------------------------------------------------------------------
+
+    def _slot_settings(self, slot: Slot) -> Settings:
+        """The settings of the slot's state directory: with an S3 cold tier, the slot's own prefix of it
+        (and the key, where the pod has one), checked against what the slot's checkpoints were stored
+        with."""
+        settings = replace(self.settings, home=slot.home)
+        if self.spec.s3_base is None:
+            return settings
+        try:
+            url = pod_policy.slot_cold_tier(self.spec.s3_base, self.spec.identity, slot.n)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        store_env = {**settings.store_env, "TORPOR_STORE": url}
+        key = self.spec.s3_key_file
+        if key is not None and key.exists():
+            store_env["TORPOR_KEY_FILE"] = str(key)
+        settings = replace(settings, store_env=store_env)
+        self._check_store(settings, slot)
+        return settings
+
+    def _check_store(self, settings: Settings, slot: Slot) -> None:
+        """Refuse, saying why, a slot whose checkpoints this pod could not read: they were stored with
+        another cold tier, endpoint or key than this pod's (the webhook's S3 settings or the Secret
+        changed since), or with a key file this pod does not have. A slot without checkpoints has
+        nothing to lose: its store configuration becomes this pod's."""
+        home = settings.home
+        current = store_config.load(home)
+        if current is None:  # the slot's first use: the engine writes it from store_env
+            return
+        differences = store_config.disagreements(current, settings.store_env, home)
+        if differences and not _has_checkpoints(home):
+            store_config.save(home, current.replace(**store_config.from_variables(settings.store_env, home)))
+            return
+        what = f"the checkpoints of {pod_policy.slot_name(slot.n)} of {self.spec.identity}"
+        for differs in differences:
+            fix = differs.fix.replace("torpor ", f"torpor --home {home} ", 1)
+            self._refuse(
+                f"{what} were stored with {differs.configured} ({differs.file}), but this pod has "
+                f"{differs.variable}={differs.given} (the webhook's settings or the Secret changed?): "
+                f"put the setting back, or move the checkpoints and run '{fix}'"
+            )
+        if current.key_file is not None and not current.key_file.exists():
+            self._refuse(
+                f"{what} are encrypted with the key file {current.key_file}, which this pod does not "
+                "have (the Secret's 'key' is gone?): put the key back"
+            )
+
+    def _refuse(self, text: str) -> None:
+        self.report.event("StoreRefused", text, warning=True)
+        raise UsageError(text)
 
     def _start(self, engine: Engine, slot: Slot, previous: dict[str, Any]) -> int:
         """Start or continue the slot's job; returns the offset of its log to copy from."""
@@ -462,7 +535,7 @@ class Supervisor:
             engine.remove(name)
             if "ended" in previous:
                 self.say("the job ended in an earlier pod: starting the command cold")
-        engine.run(name, self.spec.command, os.getcwd())
+        engine.run(name, self.spec.command, os.getcwd(), env=self.spec.job_env)
         return 0
 
     def _end_previous(self, engine: Engine, previous: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@
   differ (the job's files would not be there, or not the same).
 * :func:`resource_name`, :func:`orphaned` — the operator's: the name of an identity's resource, and
   whether its checkpoints go because the controller whose pods it was is gone.
+* :func:`slot_cold_tier` — where a slot's checkpoint images go in a shared S3 cold tier: a prefix of
+  its own, under its namespace's.
 
 The supervisor (``torpor.core.pod``) reads records and signals and acts on these answers; the admission
 webhook (``torpor.core.admission``) computes the identity once, when the pod is created.
@@ -76,6 +78,29 @@ def identity(
 def slot_name(n: int) -> str:
     """The folder of an identity's ``n``-th slot: one per pod of that identity running at once."""
     return f"slot-{n}"
+
+
+def slot_cold_tier(base: str, identity: str, n: int) -> str:
+    """The S3 cold tier of slot ``n`` of ``identity`` in the shared one ``base`` (``s3://BUCKET[/PREFIX]``):
+    ``BASE/NAMESPACE/NAME[/...]/slot-N``; ``ValueError`` (saying why) for what cannot name one.
+
+    Each slot is a state directory of its own, whose garbage collection deletes the chunks none of *its*
+    checkpoints use: two slots sharing a prefix would delete each other's. The namespace always comes
+    first, so tenants sharing a bucket never share a prefix, and each namespace's credentials can be
+    limited to ``BASE/NAMESPACE/``. Every part of the identity must be a DNS label, as
+    :func:`identity` makes them: nothing else (``..``, ``/``, a dot first) can reach another's prefix.
+    """
+    if not base.startswith("s3://") or not base.removeprefix("s3://").split("/")[0]:
+        raise ValueError(f"'{base}' is not an S3 cold tier: s3://BUCKET[/PREFIX]")
+    parts = identity.split("/")
+    if len(parts) < 2:
+        raise ValueError(f"identity '{identity}' must be NAMESPACE/NAME[/...]")
+    for part in parts:
+        if not _PART.match(part) or ".." in part:
+            raise ValueError(f"'{part}' of identity '{identity}' cannot name an S3 prefix (not a DNS label)")
+    if n < 0:
+        raise ValueError(f"no slot {n}")
+    return "/".join([base.rstrip("/"), *parts, slot_name(n)])
 
 
 @dataclass(frozen=True)
