@@ -81,7 +81,9 @@ def test_checkpoint_kill_resume_and_rollback_match_uninterrupted_run(
 
 
 def test_dataloader_workers_job_resumed_after_kill_matches(torpor: Torpor) -> None:
-    epochs = "6"
+    # 8 epochs of 16 steps, 0.1 s apart once started: what is left after step 200 (6 epochs, >= 10 s) is
+    # more than a loaded machine takes to see step 200 and stop the job
+    epochs = "8"
     out = subprocess.run(
         [sys.executable, "-u", str(JOBS / "train_dataloader.py"), epochs],
         capture_output=True,
@@ -89,7 +91,7 @@ def test_dataloader_workers_job_resumed_after_kill_matches(torpor: Torpor) -> No
         check=True,
     ).stdout
     reference = dict(losses(out))
-    torpor.run("run", "--name", "dl", *python_job("train_dataloader.py", epochs, "0.05"))
+    torpor.run("run", "--name", "dl", *python_job("train_dataloader.py", epochs, "0.1"))
     torpor.wait_log("dl", "step 105 ", timeout=120)
     torpor.run("checkpoint", "dl")
     torpor.wait_log("dl", "step 200 ", timeout=120)

@@ -324,7 +324,10 @@ def test_an_idle_web_server_is_hibernated_and_woken_by_curl_which_gets_its_answe
     woken = agent.wait_event("resume", "web", timeout=30)
     assert woken["reason"] == f"a connection on 127.0.0.1:{port}"
     assert woken["detail"]["relayed"] >= 1 and woken["detail"]["dropped"] == 0
-    assert torpor.job("web")["state"] == "running"
+    if torpor.job("web")["state"] != "running":
+        # idle again 2 s after its answer, a loaded machine may see it hibernated again: by the idle rule
+        again = agent.wait_event("hibernate", "web", after=woken["id"])
+        assert again["reason"].startswith("idle") and "error" not in again["detail"], again
     assert _get(url) == "hello from a hibernated server\n"  # and straight to the job from now on
 
 

