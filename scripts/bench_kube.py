@@ -84,7 +84,7 @@ def sample(cluster: Cluster, kind: str, torpor: bool, start_s: float) -> dict[st
                 result["frozen_s"], result["image_mib"] = float(frozen.group(1)), float(frozen.group(2))
         return result
     finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=180s", check=False)
+        cluster.remove_namespace(namespace)
         for node in ("node1", "node2"):
             cluster.kubectl("uncordon", node, check=False)
 

@@ -35,7 +35,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     name = f"tpt-{uuid.uuid4().hex[:6]}"  # tpt-: what cluster.sh down clears of pod logs
     cluster.namespace(name)
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
+    cluster.remove_namespace(name)
     for node in ("node1", "node2"):
         cluster.kubectl("uncordon", node, check=False)
 

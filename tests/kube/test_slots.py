@@ -8,7 +8,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torpor.core.pod import Slot
 
@@ -73,3 +75,33 @@ def test_a_pod_that_is_not_interchangeable_waits_for_slot_zero(tmp_path: Path) -
     os.close(fd)
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_replacement_waits_for_the_slot_whose_pod_is_being_deleted_before_it_is_told_to_stop(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "replicaset-api/main"
+    fd = _held(folder, 0, pod="pod a on node1", name="api-a", uid="uid-a")  # no stopping_at yet
+    asked: list[dict[str, Any]] = []
+    got: list[int] = []
+
+    def deleting(holder: dict[str, Any]) -> bool:
+        asked.append(holder)
+        return holder.get("uid") == "uid-a"
+
+    thread = threading.Thread(target=lambda: got.append(_take(folder, deleting)))
+    thread.start()
+    time.sleep(0.5)
+    assert got == [] and asked[0]["name"] == "api-a"
+    os.close(fd)  # hibernated: the pod exits
+    thread.join(10)
+    assert got == [0]
+    # a holder that is not being deleted is not waited for: a new slot
+    fd = _held(folder, 0, pod="pod b on node2", name="api-b", uid="uid-b")
+    assert _take(folder, deleting) == 1
+    os.close(fd)
+
+
+def _take(folder: Path, deleting: Callable[[dict[str, Any]], bool]) -> int:
+    with Slot.take(folder, True, lambda _text: None, deleting) as slot:
+        return slot.n

@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -132,12 +133,22 @@ class Slot:
 
     @classmethod
     @contextlib.contextmanager
-    def take(cls, folder: Path, interchangeable: bool, say: Callable[[str], None]) -> Iterator[Slot]:
+    def take(
+        cls,
+        folder: Path,
+        interchangeable: bool,
+        say: Callable[[str], None],
+        deleting: Callable[[dict[str, Any]], bool] = lambda _: False,
+    ) -> Iterator[Slot]:
         """Hold a slot of the identity in ``folder``: for interchangeable pods the one
         :func:`torpor.policy.pod.choose_slot` picks, else slot 0, waiting for the pod that holds it to
-        end (saying so)."""
+        end (saying so). ``deleting(holder)``: whether the pod a slot's file names is being deleted
+        (Kubernetes has not yet told it to stop, or it has not yet said it hibernates)."""
         private.make_private_dirs(folder)
-        fd, n = _take_interchangeable(folder, say) if interchangeable else _take_only(folder, say)
+        if interchangeable:
+            fd, n = _take_interchangeable(folder, say, deleting)
+        else:
+            fd, n = _take_only(folder, say)
         try:
             yield cls(folder, n, fd)
         finally:
@@ -184,7 +195,9 @@ def _take_only(folder: Path, say: Callable[[str], None]) -> tuple[int, int]:
     return fd, 0
 
 
-def _take_interchangeable(folder: Path, say: Callable[[str], None]) -> tuple[int, int]:
+def _take_interchangeable(
+    folder: Path, say: Callable[[str], None], deleting: Callable[[dict[str, Any]], bool]
+) -> tuple[int, int]:
     while True:
         free: dict[int, int] = {}  # the free slots' locks, held while we look
         views = []
@@ -199,11 +212,9 @@ def _take_interchangeable(folder: Path, say: Callable[[str], None]) -> tuple[int
                 else:
                     os.close(fd)
                 info = _read_json(folder / f"{pod_policy.slot_name(n)}.json")
-                views.append(
-                    pod_policy.SlotView(
-                        n, n in free, bool(info) and "ended" not in info, "stopping_at" in info
-                    )
-                )
+                held = n not in free
+                stopping = held and ("stopping_at" in info or deleting(info))
+                views.append(pod_policy.SlotView(n, not held, bool(info) and "ended" not in info, stopping))
             choice = pod_policy.choose_slot(views)
             if choice.n >= MAX_SLOTS:
                 raise UsageError(f"all {MAX_SLOTS} slots of this identity are held by running pods")
@@ -364,6 +375,9 @@ def _json_object(text: str) -> dict[str, Any]:
 LAST_CHECKPOINT_ANNOTATION = "torpor.dev/last-checkpoint"
 
 
+_POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
 class Reporter:
     """Events on the pod and its last-checkpoint annotation, through the Kubernetes API where the pod can
     reach it (:mod:`torpor.adapters.kubeapi`). A failure is said once in the supervisor's log and never
@@ -389,6 +403,19 @@ class Reporter:
         self._try(
             lambda api: api.event(self.pod.namespace, self.pod.name, self.pod.uid, reason, message, warning)
         )
+
+    def deleting(self, holder: dict[str, Any]) -> bool:
+        """Whether ``holder`` (a slot file's pod: its name and uid) is a pod of this namespace that is being
+        deleted; False where Kubernetes cannot be asked."""
+        name, uid = holder.get("name"), holder.get("uid")
+        if self.api is None or not isinstance(name, str) or not _POD_NAME.fullmatch(name) or not uid:
+            return False
+        try:
+            pod = self.api.get(f"/api/v1/namespaces/{self.pod.namespace}/pods/{name}")
+        except kubeapi.KubeError:
+            return False
+        metadata = (pod or {}).get("metadata", {})
+        return bool(metadata.get("uid") == uid and metadata.get("deletionTimestamp"))
 
     def checkpointed(self, at: float) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
@@ -429,7 +456,10 @@ class Supervisor:
     def run(self) -> int:
         """Start or continue the job, supervise it, and return the pod's exit code."""
         folder = identity_dir(self.spec.store, self.spec.identity)
-        with Slot.take(folder, self.spec.interchangeable, lambda text: self.tell("Waiting", text)) as slot:
+        taken = Slot.take(
+            folder, self.spec.interchangeable, lambda text: self.tell("Waiting", text), self.report.deleting
+        )
+        with taken as slot:
             settings = self._slot_settings(slot)
             previous = slot.previous()
             slot.record(self.spec.pod, started_at=time.time(), where=_here(), needs=self.spec.pod.needs)

@@ -113,7 +113,8 @@ class SlotView:
     #: it has a job to continue: one that did not end by itself (hibernated, or left by a pod that
     #: went away without hibernating it)
     continuable: bool
-    #: the pod that holds it is hibernating its job now (it was asked to stop)
+    #: the pod that holds it is hibernating its job now (it was asked to stop), or is being deleted
+    #: and will be asked to
     stopping: bool
 
 
@@ -126,9 +127,10 @@ class SlotChoice:
 
 def choose_slot(slots: Sequence[SlotView]) -> SlotChoice:
     """Which slot a starting pod of interchangeable ones (a Deployment's replicas) takes: a free one
-    with a job to continue; else one whose pod is hibernating its job now, waited for — a replacement
-    made at the eviction starts while the evicted pod still hibernates, and continues its job a moment
-    later instead of starting cold beside it; else the first free one, or a new one after the last."""
+    with a job to continue; else one whose pod is hibernating its job now or is being deleted, waited
+    for — a replacement made at the eviction may start before the evicted pod is told to stop, and
+    continues its job a moment later instead of starting cold beside it; else the first free one, or a
+    new one after the last."""
     ordered = sorted(slots, key=lambda slot: slot.n)
     for slot in ordered:
         if slot.free and slot.continuable:
