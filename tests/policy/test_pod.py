@@ -110,6 +110,9 @@ def test_the_operator_names_an_identity_s_resource_and_removes_it_only_with_its_
     assert orphaned(Owner("StatefulSet", "web"), owner_exists=False)
     assert not orphaned(Owner("StatefulSet", "web"), owner_exists=True)
     assert not orphaned(None, owner_exists=False)  # a bare pod's: the same pod may come again
+    # a deleted namespace takes every identity of it, a bare pod's too
+    assert orphaned(None, owner_exists=True, namespace_exists=False)
+    assert orphaned(Owner("StatefulSet", "web"), owner_exists=True, namespace_exists=False)
 
 
 def test_an_interchangeable_pod_continues_a_job_waits_for_one_being_hibernated_or_takes_a_free_slot() -> None:

@@ -7,9 +7,9 @@ A reconcile loop over the store (the volume the pods share, mounted here too) ev
   ``deploy/kubernetes/crd.yaml``; its name: ``torpor.policy.pod.resource_name``) whose ``status``
   lists its slots: the pod that holds or held each, its node, the job's state, its checkpoints (id,
   kind, time, size, freeze) and the latest one;
-- an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) no longer exists has
-  its checkpoints and folder deleted (each slot taken first: a pod still hibernating is waited for),
-  then its resource (``torpor.policy.pod.orphaned``);
+- an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) or whose namespace
+  no longer exists has its checkpoints and folder deleted (each slot taken first: a pod still
+  hibernating is waited for), then its resource (``torpor.policy.pod.orphaned``);
 - a resource whose identity is no longer in the store is deleted;
 - ``torpor.dev/hibernate: "true"`` keeps a pod hibernated until it goes (:mod:`torpor.apps.kubehold`).
 
@@ -136,16 +136,21 @@ class Operator:
         namespace, name = identity.split("/")[0], pod_policy.resource_name(identity)
         owners = {slot.pod.get("owner", "") for slot in slots} - {""}
         owner = kubehold.parse_owner(sorted(owners)[0]) if owners else None
-        if owner is not None and owner.kind in OWNER_PATHS:
+        namespace_exists = self.api.get(f"/api/v1/namespaces/{namespace}") is not None
+        exists = True
+        if namespace_exists and owner is not None and owner.kind in OWNER_PATHS:
             exists = self.api.get(OWNER_PATHS[owner.kind].format(ns=namespace, name=owner.name)) is not None
-            if pod_policy.orphaned(owner, exists) and not any(slot.held for slot in slots):
-                deleted = pod.remove_identity(self.store, identity, self.settings)
+        if pod_policy.orphaned(owner, exists, namespace_exists) and not any(slot.held for slot in slots):
+            deleted = pod.remove_identity(self.store, identity, self.settings)
+            if namespace_exists and owner is not None:
                 self.api.delete(self._path(namespace, name))
-                _say(
-                    f"{identity}: its {owner.kind} {owner.name} is gone: removed {len(deleted)} checkpoint(s)"
-                )
-                return
-        spec = {"identity": identity, "owner": f"{owner.kind}/{owner.name}" if owner else ""}
+                gone = f"its {owner.kind} {owner.name}"
+            else:
+                gone = f"its namespace {namespace}"  # and its resources with it
+            _say(f"{identity}: {gone} is gone: removed {len(deleted)} checkpoint(s)")
+            return
+        # a bare pod's: no owner field (the 1.20 API server refused an empty one as null)
+        spec = {"identity": identity, **({"owner": f"{owner.kind}/{owner.name}"} if owner else {})}
         if self.api.get(self._path(namespace, name)) is None:
             body = {
                 "apiVersion": f"{GROUP}/{VERSION}",

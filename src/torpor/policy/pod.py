@@ -220,8 +220,9 @@ def resource_name(identity: str) -> str:
     return ".".join(identity.split("/")[1:])[:253]
 
 
-def orphaned(owner: Owner | None, owner_exists: bool) -> bool:
-    """Whether an identity's checkpoints go: the controller whose pods it was is deleted. A bare pod's
-    (no owner) or one named by annotation stays until it is removed by hand: the same pod may be
-    created again."""
-    return owner is not None and not owner_exists
+def orphaned(owner: Owner | None, owner_exists: bool, namespace_exists: bool = True) -> bool:
+    """Whether an identity's checkpoints go: its namespace is deleted (whatever its pods were: the
+    images are the namespace's, and a namespace made later with the same name may be someone else's),
+    or the controller whose pods it was is. A bare pod's (no owner) or one named by annotation
+    otherwise stays until it is removed by hand: the same pod may be created again."""
+    return not namespace_exists or (owner is not None and not owner_exists)
