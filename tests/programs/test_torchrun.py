@@ -22,7 +22,7 @@ from torpor.adapters.system import procfs
 
 BIN = Path(sys.executable).parent
 STEPS = "200"
-PAUSE = "0.05"
+PAUSE = "0.15"  # from step 45 to the end: > 20 s, more than a loaded machine takes to hibernate it
 RANKS = (0, 1)
 
 
