@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import time
@@ -16,6 +17,7 @@ import pytest
 from torpor.adapters.system import private
 from torpor.core.store import DURABLE, STAGED, TieredStore, config
 from torpor.core.store.hot import dumped_kind, dumped_pids
+from torpor.core.store.tiered import LOG_FILE
 from torpor.errors import CorruptImage, StorageFull, StoreError
 from torpor.settings import Settings
 
@@ -106,20 +108,31 @@ def test_a_destager_killed_mid_way_is_finished_by_the_next(settings: Settings, t
     with private.locked(store.lock_path):
         store.put("c1", "job", _stage(store, "c1", data), {})
 
-    def mid_way() -> bool:
+    def destaging() -> bool:
         record = store.hot.record("c1")
-        return record is not None and record.state == "destaging" and record.done_bytes > 0
+        return record is not None and record.state == "destaging"
 
-    _wait(mid_way, what="destaging to start")
+    _wait(destaging, what="destaging to start")
     pid = _destager_pid(store)
     assert pid
-    os.kill(pid, signal.SIGKILL)
-    _wait(lambda: not store.destager_running(), what="the destager to die")
-    # no half checkpoint is listed: not durable, no manifest in the cold tier, some chunks already there
-    assert not store.repo.has("c1")
-    assert list(store.repo.backend.list("packs"))
-    assert store.state("c1").state == STAGED
+    # step the destager 5 ms at a time until its first pack is in the cold tier: held mid-way whatever the
+    # speed of this machine (a look between two steps cannot miss the end, as one while it runs can)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(store.repo.backend.list("packs")):
+            assert time.monotonic() < deadline, "the destager stored no pack in 60 s"
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.005)
+            os.kill(pid, signal.SIGSTOP)
+        # no half checkpoint is listed: not durable, no manifest in the cold tier, some chunks already there
+        assert not store.repo.has("c1")
+    finally:
+        os.kill(pid, signal.SIGKILL)  # stopped or not
+    # the destager put started waits on the lock, and stores it from the start (a new one would too)
     assert store.wait_durable("c1", timeout=120).state == DURABLE
+    log = (store.hot.root / LOG_FILE).read_text()
+    assert re.search(rf"destager (?!{pid}:)\d+: c1 \(job\) durable", log), log
     store.hot.remove("c1")
     store.get("c1", tmp_path / "out")
     assert (tmp_path / "out" / "pages-1.img").read_bytes() == data
