@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,8 @@ def test_dump_failure_leaves_job_running_and_shows_criu_log(torpor: Torpor, tmp_
 
 
 @pytest.mark.criu
-def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_and_one_stuck_there_is_named(
+@pytest.mark.root("giving a folder to another user")
+def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_a_dead_criu_s_is_removed_one_put_there_named(
     torpor: Torpor, tmp_path: Path
 ) -> None:
     """CRIU's parasite creates ``proc.crtools`` in the job's working directory for a moment (to mount a
@@ -239,7 +241,7 @@ def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_and_one_stuc
     assert tried == [True, False] and stats is not None
     assert list(images.glob("pages-*.img"))
 
-    planted.mkdir()  # one that stays
+    planted.mkdir()  # one that stays, made just now
     result = torpor.run("checkpoint", "w", check=False)
     assert_one_line_error(
         result,
@@ -247,8 +249,18 @@ def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_and_one_stuc
         f"CRIU could not create its folder proc.crtools in the working directory of the job's first process ({work})",
     )
     assert_running_not_frozen(torpor, "w")
-    planted.rmdir()
+    # an old one of another user's stays too: it was put there
+    old = time.time() - 60
+    os.utime(planted, (old, old))
+    os.chown(planted, 65534, 65534)
+    assert torpor.run("checkpoint", "w", check=False).returncode == 4
+    assert planted.is_dir()
+    assert_running_not_frozen(torpor, "w")
+    # an old one of root's is a CRIU's killed mid-dump: removed, and the checkpoint is made
+    os.chown(planted, 0, 0)
+    os.utime(planted, (old, old))
     torpor.run("checkpoint", "w")
+    assert not planted.exists()
     torpor.run("rm", "--force", "w")
 
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from torpor.policy.retry import DUMP_ATTEMPTS, GIVE_UP, Retry, after_failed_dump, after_failed_resume
+from torpor.policy.retry import (
+    DUMP_ATTEMPTS,
+    GIVE_UP,
+    STALE_CWD_FOLDER_S,
+    Retry,
+    after_failed_dump,
+    after_failed_resume,
+    stale_cwd_folder,
+)
 
 ZOMBIE = "(00.058879) Error (criu/seize.c:882): Zombies with threads are not supported"
 OTHER = "(00.1) Error (criu/files.c:1): Can't dump a process with an unsupported file"
@@ -52,3 +60,9 @@ def test_a_dump_that_met_another_in_the_same_folder_is_made_again_after_a_jitter
     )
     assert after_failed_dump(2, [busy], jitter=0.5) == Retry(again=True, delay_s=pytest.approx(0.3))
     assert after_failed_dump(DUMP_ATTEMPTS, [busy]) == GIVE_UP
+
+
+def test_only_a_folder_of_root_s_older_than_a_dump_s_moment_is_taken_for_a_dead_criu_s() -> None:
+    assert stale_cwd_folder(STALE_CWD_FOLDER_S + 1, 0)
+    assert not stale_cwd_folder(0.01, 0)  # another dump's, there for a moment
+    assert not stale_cwd_folder(3600, 1000)  # put there by a user: not torpor's to remove

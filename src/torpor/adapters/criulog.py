@@ -57,8 +57,9 @@ def _dump_refusal(details: list[str]) -> str | None:
             cwd = "?"
         return (
             f"CRIU could not create its folder proc.crtools in the working directory of the job's first"
-            f" process ({cwd}): one is there, and stayed through every attempt; remove it (it is left by"
-            " a CRIU killed while dumping a job of that folder, or was put there)"
+            f" process ({cwd}): one is there, and stayed through every attempt; remove it (a CRIU killed"
+            " while dumping a job of that folder leaves one: torpor removes one of root's a few"
+            " seconds old)"
         )
     return None
 

@@ -21,8 +21,10 @@ checkpoints retention deletes and whether a dump is tried again are decisions of
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -256,9 +258,12 @@ def dump(
                     criu, pid, images_dir, log_path, capture_script, reserve, taken, tcp, options
                 )
         except (CheckpointFailed, StorageFull):
-            decision = retry.after_failed_dump(attempt, log_excerpt(log_path), tcp, random.random())
+            errors = log_excerpt(log_path)
+            decision = retry.after_failed_dump(attempt, errors, tcp, random.random())
             if not decision.again:
                 raise
+            if any(marker in line for line in errors for marker in retry.BUSY_CWD_ERRORS):
+                _remove_stale_cwd_folder(pid)
         _empty_folder(images_dir)
         time.sleep(decision.delay_s)
         tcp = decision.tcp
@@ -287,6 +292,23 @@ def _dump_streamed(
             if problem is not None:
                 exc.details.append(f"torpor's capture of the image: {problem}")
             raise
+
+
+def _remove_stale_cwd_folder(pid: int) -> None:
+    """Remove the ``proc.crtools`` in the working directory of process ``pid`` if
+    :func:`torpor.policy.retry.stale_cwd_folder` says it is a dead CRIU's (only if empty: ``rmdir``)."""
+    try:
+        cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        found = os.stat(retry.CWD_FOLDER, dir_fd=cwd, follow_symlinks=False)
+        if stat.S_ISDIR(found.st_mode) and retry.stale_cwd_folder(time.time() - found.st_mtime, found.st_uid):
+            os.rmdir(retry.CWD_FOLDER, dir_fd=cwd)
+    except OSError:
+        pass  # gone already, not empty, or not ours to remove: the next attempt (or its error) says
+    finally:
+        os.close(cwd)
 
 
 def _empty_folder(images_dir: Path) -> None:

@@ -17,9 +17,15 @@ PASSING_DUMP_ERRORS: tuple[str, ...] = ("Zombies with threads are not supported"
 #: CRIU's parasite, in a job that is PID 1 of its own PID namespace (every torpor job), mounts a /proc of
 #: that namespace for a moment on a folder it creates in the job's working directory, ``proc.crtools``.
 #: A dump of another job of the same working directory, at that same moment, finds the folder there
-#: (EEXIST) and fails: the other one is gone a millisecond later. (A folder that stays, left by a CRIU
-#: killed meanwhile or put there, fails every attempt: :func:`torpor.adapters.criulog.dump_failure` says so.)
+#: (EEXIST) and fails: the other one is gone a millisecond later. (One left by a CRIU killed meanwhile is
+#: removed: :func:`stale_cwd_folder`; one put there fails every attempt, and
+#: :func:`torpor.adapters.criulog.dump_failure` says so.)
 BUSY_CWD_ERRORS: tuple[str, ...] = ("Can't create a directory (-17)",)
+#: the folder of :data:`BUSY_CWD_ERRORS`
+CWD_FOLDER = "proc.crtools"
+#: a ``proc.crtools`` older than this, and root's (CRIU's), is one a CRIU killed mid-dump left: a live
+#: one is there for milliseconds
+STALE_CWD_FOLDER_S = 5.0
 #: attempts in all, the first one included
 DUMP_ATTEMPTS = 3
 #: the delay before attempt n+1 is n times this
@@ -68,6 +74,15 @@ def after_failed_dump(
     if not _says(error_lines, PASSING_DUMP_ERRORS):
         return GIVE_UP
     return Retry(again=True, delay_s=BACKOFF_S * attempt, tcp=tcp)
+
+
+def stale_cwd_folder(age_s: float, owner_uid: int) -> bool:
+    """Whether the ``proc.crtools`` a dump met in the job's working directory (:data:`BUSY_CWD_ERRORS`),
+    ``age_s`` seconds old and owned by ``owner_uid``, is removed before the next attempt: a folder of
+    root's (CRIU runs as root) older than :data:`STALE_CWD_FOLDER_S` was left by a CRIU killed while it
+    dumped a job of that folder, and would fail every dump there until removed. Anyone else's stays
+    (``torpor checkpoint`` says what is in the way): it was put there, and is not torpor's to remove."""
+    return owner_uid == 0 and age_s > STALE_CWD_FOLDER_S
 
 
 def _says(lines: Sequence[str], markers: Sequence[str]) -> bool:
