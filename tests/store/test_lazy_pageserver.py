@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import Torpor, holders
-from torpor.adapters.criu import Criu
+from torpor.adapters.criu import Criu, restored_root
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.pageserver import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
-from torpor.core.restore import restore_into_launcher
+from torpor.core.restore import LAZY_KILL, restore_into_launcher
 from torpor.core.store.lazy import LazyImage, extent_slices, file_ranges
 from torpor.core.store.manifest import ChunkId
 from torpor.core.store.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun, read_pagemap
@@ -332,14 +332,21 @@ class LazyRestore:
     image: LazyImage
     server: PageServer
     daemon: subprocess.Popen[bytes]
+    pidfile: Path
     pid: int | None = None
     known: threading.Event = field(default_factory=threading.Event)
+    killed: int | None = None
 
     def kill_tree(self, exc: BaseException) -> None:
-        # CRIU gets no answer while this runs, so the tree cannot run on with pages it never got
-        self.known.wait(60)
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
+        # CRIU gets no answer while this runs, so the tree cannot run on with pages it never got; its
+        # root is in CRIU's pidfile before it runs (criu restore may itself wait on the failed page)
+        written = restored_root(self.pidfile, self.known)
+        if self.pid is None and self.known.is_set():
+            return  # criu restore failed, and killed the tree itself
+        pid = self.pid if self.pid is not None else written
+        if pid is not None:
+            self.killed = pid
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_before_criu_runs(
@@ -388,6 +395,78 @@ def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_befor
     assert not folder.exists()
 
 
+def test_a_page_the_store_cannot_give_while_criu_restore_runs_kills_the_tree_named_in_criu_s_pidfile(
+    tmp_path: Path,
+) -> None:
+    """CRIU writes the restored tree's root to its pidfile before the tree runs, and then writes into
+    the tree's memory itself (its last steps): a page asked for then that the store cannot give must
+    kill the tree at once, not after criu restore returns, which it would not, waiting on that very page
+    (stand-ins for CRIU: a real process as the tree, the daemon's request over the real socket)."""
+    folder = tmp_path / "restore-c"
+    folder.mkdir()
+    tree = subprocess.Popen(["sleep", "600"])
+    daemon_ends: list[socket.socket] = []
+
+    class Daemon:
+        def kill(self) -> None:
+            pass
+
+        def wait(self) -> None:
+            pass
+
+    class Source:
+        def read_pages(self, pid: int, vaddr: int, nr_pages: int) -> bytes:
+            raise CorruptImage("chunk 5fa5358ad967… of checkpoint c does not decompress")
+
+        def close(self) -> None:
+            pass
+
+    def start_lazy_pages(images_dir: Path, log: Path, *, page_server_fd: int, wait: bool) -> Daemon:
+        daemon_ends.append(socket.socket(fileno=os.dup(page_server_fd)))
+        return Daemon()
+
+    def restore(images_dir: Path, log: Path, pidfile: Path, **kwargs: object) -> int:
+        pidfile.write_text(f"{tree.pid}")
+        daemon_ends[0].sendall(IOV.pack(PS_IOV_GET, 1, 0x7F0000000000, 1))
+        try:
+            tree.wait(timeout=30)  # CRIU, waiting on the page, fails once the tree is killed
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the tree was not killed while criu restore ran") from None
+        raise RestoreFailed("criu restore failed (exit status 1)")
+
+    ctx = SimpleNamespace(
+        criu_log=lambda name, kind, checkpoint_id: tmp_path / f"{kind}.log",
+        store=SimpleNamespace(page_source=lambda checkpoint_id, dest: Source()),
+        criu=SimpleNamespace(
+            start_lazy_pages=start_lazy_pages, wait_lazy_pages=lambda *args: None, restore=restore
+        ),
+        settings=SimpleNamespace(hold_cpu_wakeups=False, criu_extra=()),
+        killed_because=None,
+    )
+    try:
+        with pytest.raises(CorruptImage, match="does not decompress"):
+            restore_into_launcher(ctx, SimpleNamespace(name="j"), folder, "c", lazy=True, served=True)  # type: ignore[arg-type]
+    finally:
+        tree.kill()
+        tree.wait()
+        for end in daemon_ends:
+            end.close()
+    assert tree.returncode == -signal.SIGKILL
+    assert ctx.killed_because.startswith(LAZY_KILL)
+    assert not folder.exists()
+
+
+def test_the_restored_root_is_read_from_criu_s_pidfile_once_it_is_written(tmp_path: Path) -> None:
+    pidfile = tmp_path / "restored.pid"
+    returned = threading.Event()
+    threading.Timer(0.05, lambda: pidfile.write_text("4242\n")).start()
+    assert restored_root(pidfile, returned, timeout_s=10) == 4242
+    pidfile.write_text("")  # CRIU has created it, not written it yet
+    assert restored_root(pidfile, returned, timeout_s=0.05) is None
+    returned.set()  # the restore returned without writing one: it failed
+    assert restored_root(tmp_path / "none.pid", returned, timeout_s=10) is None
+
+
 @pytest.fixture
 def restores() -> Iterator[list[LazyRestore]]:
     made: list[LazyRestore] = []
@@ -419,11 +498,11 @@ def restore_lazily(
         )
     finally:
         criu_end.close()
-    restore = LazyRestore(image, server, daemon)
+    restore = LazyRestore(image, server, daemon, folder / "restored.pid")
     holder.append(restore)
     made.append(restore)
     try:
-        restore.pid = criu.restore(folder, folder.parent / "restore.log", folder / "restored.pid", lazy=True)
+        restore.pid = criu.restore(folder, folder.parent / "restore.log", restore.pidfile, lazy=True)
     finally:
         restore.known.set()
     return restore
@@ -476,12 +555,19 @@ def test_a_corrupt_chunk_kills_the_lazily_restored_tree_before_it_sees_wrong_mem
     lazy_chunks = _lazy_only_chunks(repo, checkpoint, tmp_path / "probe")
     assert lazy_chunks
     _flip(repo, lazy_chunks[len(lazy_chunks) // 2])
-    restore = restore_lazily(repo, checkpoint, tmp_path / "restore", restores)
+    try:
+        restore = restore_lazily(repo, checkpoint, tmp_path / "restore", restores)
+    except RestoreFailed:
+        # the bad chunk was asked for (by the daemon's background copy) while criu restore still ran:
+        # the tree, its root read from CRIU's pidfile, was killed before it ran, and so CRIU failed
+        restore = restores[-1]
+        assert restore.killed is not None
     assert restore.server.wait(60)
     assert isinstance(restore.server.error, CorruptImage)
     assert restore.daemon.wait(timeout=60) != 0
-    assert restore.pid is not None
-    torpor.wait_for(lambda: _gone(restore.pid), what="the restored tree to be killed")
+    pid = restore.pid if restore.pid is not None else restore.killed
+    assert pid is not None
+    torpor.wait_for(lambda: _gone(pid), what="the restored tree to be killed")
     # once no process has the log open, nothing can print to it: a digest printed before is there now
     log = torpor.home / "jobs" / "bad" / "output.log"
     torpor.wait_for(lambda: not holders(log), what="no process to hold the job's log")

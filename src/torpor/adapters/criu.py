@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -499,3 +500,23 @@ class Criu:
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as exc:
             raise RestoreFailed(f"criu restore wrote no pid to {pidfile}") from exc
+
+
+def restored_root(pidfile: Path, returned: threading.Event, timeout_s: float = 60.0) -> int | None:
+    """The pid of the root of the tree a ``criu restore --pidfile PIDFILE`` is restoring, as soon as
+    CRIU wrote it: before the tree runs any of its own code, and before CRIU's last steps, which write
+    into the tree's memory (rseq) and so may wait on a lazy page themselves. None if the restore
+    ``returned`` first without one, or after ``timeout_s``. Killing that pid kills the whole tree: a
+    torpor job is PID 1 of its own PID namespace."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = returned.is_set()
+        try:
+            text = pidfile.read_text().strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return int(text)
+        if done or time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)

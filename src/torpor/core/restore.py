@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from torpor.adapters.criu import RestoreGate
+from torpor.adapters.criu import RestoreGate, restored_root
 from torpor.adapters.criuimage import has_ghost_files, shared_file_mappings, unix_socket_paths
 from torpor.adapters.pageserver import PageServer
 from torpor.adapters.system import ownprocess, private, procfs
@@ -29,7 +29,7 @@ from torpor.core.jobnetworks import NET_KEY
 from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
-from torpor.errors import TorporError
+from torpor.errors import RestoreFailed, TorporError
 
 #: how the record of a job torpor killed because a lazy restore could not bring its memory in begins
 LAZY_KILL = "lazy restore failed, the job was killed"
@@ -70,11 +70,15 @@ def restore_into_launcher(
     root: list[int] = []
 
     def kill_tree(exc: BaseException) -> None:
-        # memory the daemon can no longer get would read as zeros: the job must not run on
-        restored.wait(60)
+        # memory the daemon can no longer get would read as zeros: the job must not run on. Its root is
+        # known from CRIU's pidfile before the tree runs: waiting for criu restore to return instead
+        # could wait for ever, when CRIU's own last steps wait on the very page that failed
         message = exc.message if isinstance(exc, TorporError) else str(exc)
         ctx.killed_because = f"{LAZY_KILL}: {message}"
-        for pid in root:
+        written = restored_root(image_dir / "restored.pid", restored)
+        # a restore that returned without a root failed, and CRIU killed the tree itself
+        targets = root or ([written] if written is not None and not restored.is_set() else [])
+        for pid in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -124,7 +128,7 @@ def restore_into_launcher(
         members = procfs.namespace_members(pid)
         ctx.gpu.after_restore(members)
         tell_restored(members)
-    except BaseException:
+    except BaseException as exc:
         restored.set()
         if daemon is not None:
             daemon.kill()
@@ -134,6 +138,9 @@ def restore_into_launcher(
         if source is not None:
             source.close()
         shutil.rmtree(image_dir, ignore_errors=True)
+        if server is not None and isinstance(server.error, TorporError) and isinstance(exc, RestoreFailed):
+            # the tree was killed because the store could not give one of its pages: that is the cause
+            raise server.error from exc
         raise
     if daemon is None:
         shutil.rmtree(image_dir, ignore_errors=True)
