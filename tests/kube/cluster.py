@@ -95,6 +95,21 @@ class Cluster:
     def logs(self, namespace: str, pod: str) -> str:
         return self.kubectl("logs", "-n", namespace, pod, check=False)
 
+    def story(self, namespace: str, pod: str) -> str:
+        """What a failed assertion about a pod should show: its containers' restarts and states, the
+        log of a container that ran before the current one, and the pod's events."""
+        found = self.get("pod", "-n", namespace, pod, "--ignore-not-found")
+        statuses = found.get("status", {}).get("containerStatuses", []) if found else []
+        lines = [f"pod {namespace}/{pod} on {found.get('spec', {}).get('nodeName') if found else '?'}"]
+        lines += [
+            f"container {c['name']}: {c.get('restartCount')} restarts, {c.get('state')}" for c in statuses
+        ]
+        if any(c.get("restartCount") for c in statuses):
+            previous = self.kubectl("logs", "-n", namespace, pod, "--previous", check=False)
+            lines += ["log of the previous container:", previous]
+        lines += [f"event {e['reason']}: {e['message']}" for e in self.events(namespace, pod)]
+        return "\n".join(lines)
+
     def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
         found = self.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={pod}")
         return list(found["items"])

@@ -66,7 +66,9 @@ def test_a_drained_node_s_statefulset_pod_is_hibernated_and_continues_on_the_oth
         return text if len(steps(text)) > 3 else None
 
     log = cluster.wait_for(counting, what="the job to count on node2")
-    assert re.search(r"resumed its hibernated job: restored from \w+ taken on node1", log), log
+    assert re.search(r"resumed its hibernated job: restored from \w+ taken on node1", log), (
+        log + cluster.story(namespace, "counter-0")
+    )
     after = steps(log)
     assert after[0] > seen[-1] and after == list(range(after[0], after[0] + len(after)))
     # the job's whole output, in the store both nodes see: every step once, none lost, none repeated
@@ -116,7 +118,7 @@ def test_a_deployment_s_drained_replica_is_continued_by_the_replacement_made_at_
         return text if len(steps(text)) > 3 else None
 
     log = cluster.wait_for(counting, what="the job to count on node2")
-    assert "resumed its hibernated job" in log, log
+    assert "resumed its hibernated job" in log, log + cluster.story(namespace, second)
     (folder,) = (cluster.store / namespace).glob("replicaset-api-*/main")
     everything = steps((folder / "slot-0/jobs/main/output.log").read_text())
     assert everything == list(range(len(everything)))  # one job, continued: none lost or repeated
