@@ -262,7 +262,7 @@ def dump(
             decision = retry.after_failed_dump(attempt, errors, tcp, random.random())
             if not decision.again:
                 raise
-            if any(marker in line for line in errors for marker in retry.BUSY_CWD_ERRORS):
+            if retry.met_busy_cwd(errors):
                 _remove_stale_cwd_folder(pid)
         _empty_folder(images_dir)
         time.sleep(decision.delay_s)

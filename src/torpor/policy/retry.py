@@ -69,11 +69,17 @@ def after_failed_dump(
         return GIVE_UP
     if not tcp and _says(error_lines, TCP_DUMP_ERRORS):
         return Retry(again=True, tcp=True)
-    if _says(error_lines, BUSY_CWD_ERRORS):
+    if met_busy_cwd(error_lines):
         return Retry(again=True, delay_s=BACKOFF_S * attempt * (1.0 + jitter), tcp=tcp)
     if not _says(error_lines, PASSING_DUMP_ERRORS):
         return GIVE_UP
     return Retry(again=True, delay_s=BACKOFF_S * attempt, tcp=tcp)
+
+
+def met_busy_cwd(error_lines: Sequence[str]) -> bool:
+    """Whether a failed dump's CRIU errors say it found a ``proc.crtools`` in the job's working
+    directory (:data:`BUSY_CWD_ERRORS`)."""
+    return _says(error_lines, BUSY_CWD_ERRORS)
 
 
 def stale_cwd_folder(age_s: float, owner_uid: int) -> bool:
