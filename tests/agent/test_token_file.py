@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.apps.agent.serve import read_token
+from torpor.apps.agent.tokens import read_token
 from torpor.errors import UnsafePath, UsageError
 
 TOKEN = "a-token-long-enough-for-the-agent"

@@ -17,6 +17,7 @@ from typing import Any
 from torpor import __version__
 from torpor.adapters.system import private
 from torpor.apps import machine, slurm, templates
+from torpor.apps import peers as peers_app
 from torpor.apps import pod as pod_app
 from torpor.apps.agent import commands as agent_commands
 from torpor.apps.agent import scheduler_commands
@@ -445,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     templates.add_parsers(sub, add)
     pod_app.add_parsers(sub, add)
     agent_commands.add_parsers(sub, add)
+    peers_app.add_parsers(sub)
     scheduler_commands.add_scheduling_parsers(sub, add)
     slurm.add_parser(sub)
     return parser

@@ -48,10 +48,11 @@ def free_name(base: str, taken: Collection[str]) -> str:
     return f"{base}-{n}"
 
 
-def check_name(name: str) -> JobName:
-    """``name`` as a job name; UsageError unless it is 1-64 letters, digits, '-', '_' or '.'."""
+def check_name(name: str, what: str = "job") -> JobName:
+    """``name`` as a job name (or a peer's, a template's: ``what``); UsageError unless it is 1-64 letters,
+    digits, '-', '_' or '.'."""
     if not name or len(name) > 64 or not all(ch.isalnum() or ch in "-_." for ch in name) or name[0] in ".-":
         raise UsageError(
-            f"bad job name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
+            f"bad {what} name {name!r}: use up to 64 letters, digits, '-', '_' or '.', not starting with '.' or '-'"
         )
     return JobName(name)

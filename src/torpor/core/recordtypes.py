@@ -7,7 +7,7 @@ writes take, and what the rest of torpor passes around.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NewType
 
@@ -156,6 +156,18 @@ class Quota:
     project: str
     share: int
     borrow_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another machine's agent this one may speak to (``torpor peers add``): its API's base URL, the bearer
+    token it takes, and the PEM certificates that its TLS certificate must chain to (None: the system's)."""
+
+    name: str
+    url: str
+    token: str = field(repr=False)
+    ca: str | None = field(default=None, repr=False)
+    added_at: float = 0.0
 
 
 @dataclass(frozen=True)

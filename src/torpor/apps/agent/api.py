@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -151,6 +152,22 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
             "started_at": agent.started_at,
             "draining": agent.draining(),
             "rounds": agent.rounds,
+        }
+
+    @app.get("/v1/node")
+    def node() -> dict[str, Any]:
+        """What a peer asks of this node (``torpor peers``): its name, torpor's version, whether it drains,
+        its memory budget and what is free of it, and how many jobs it has in each state."""
+        queue_ = scheduling().queue()
+        states: dict[str, int] = {}
+        for each in records.jobs():
+            states[str(each.state)] = states.get(str(each.state), 0) + 1
+        return {
+            "hostname": socket.gethostname(),
+            "version": __version__,
+            "draining": agent.draining(),
+            "memory": {key: queue_[key] for key in ("budget", "reserve", "held", "free", "mem_available")},
+            "jobs": states,
         }
 
     @app.get("/v1/jobs")

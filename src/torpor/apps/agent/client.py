@@ -9,6 +9,7 @@ with the message and exit code the CLI would have had embedded.
 from __future__ import annotations
 
 import json
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,24 @@ from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy.jobpolicy import JobPolicy
 
 
+def unanswered(exc: httpx.TransportError) -> str:
+    """Why a call over ``exc``'s connection got no answer, said as a user can act on it."""
+    text = str(exc)
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time (a timeout)"
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        detail = text.split("certificate verify failed:", 1)[-1].split("(_ssl", 1)[0].strip(" )")
+        return (
+            f"its TLS certificate is not one to trust ({detail or 'verify failed'}): "
+            "give --ca-file with its certificate or its CA's"
+        )
+    if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
+        return "it does not speak TLS on that port (an agent without --tls-cert?)"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "it closed the connection without an answer (an agent with --tls-cert wants https://)"
+    return f"cannot connect: {text or type(exc).__name__}"
+
+
 class AgentClient:
     """The agent of one state directory, over its unix socket (``uds``) or TCP (``url`` and ``token``)."""
 
@@ -34,11 +53,18 @@ class AgentClient:
         url: str = "http://agent",
         token: str | None = None,
         timeout_s: float | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
         transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        connect = 5.0 if timeout_s is None else min(5.0, timeout_s)
         self.http = httpx.Client(
-            transport=transport, base_url=url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0)
+            transport=transport,
+            base_url=url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect),
+            verify=verify,
+            trust_env=False,  # a peer is reached directly, never through a proxy of the environment's
         )
 
     @classmethod
@@ -57,13 +83,17 @@ class AgentClient:
     def close(self) -> None:
         self.http.close()
 
+    def node(self) -> dict[str, Any]:
+        """The node's name, version, draining, memory and job counts (``GET /v1/node``)."""
+        return dict(self._json("GET", "/v1/node"))
+
     # -- calls -----------------------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             reply = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise EnvironmentProblem(f"the agent did not answer ({exc})") from None
+            raise EnvironmentProblem(f"the agent did not answer: {unanswered(exc)}") from None
         if reply.is_success:
             return reply.json()
         raise _error(reply.status_code, _body(reply))

@@ -25,12 +25,14 @@ from torpor.apps.render import emit_json, human_bytes, progress, table
 from torpor.core.records import Records
 from torpor.core.recordtypes import Event
 from torpor.errors import UsageError
+from torpor.policy import peers as peers_policy
 from torpor.policy.jobpolicy import JobPolicy, parse_duration
 from torpor.policy.scheduler import parse_size
 from torpor.settings import Settings
 
 if TYPE_CHECKING:
     from torpor.apps.agent.client import AgentClient
+    from torpor.apps.agent.serve import Listen
     from torpor.apps.agent.service import Agent
 
 
@@ -158,7 +160,7 @@ def policy_for_run(args: argparse.Namespace) -> JobPolicy | None:
 
 def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
     from torpor.apps.agent.scheduling import SchedulerOptions
-    from torpor.apps.agent.serve import Listen, serve
+    from torpor.apps.agent.serve import serve
     from torpor.apps.agent.service import AgentOptions
 
     logging.basicConfig(
@@ -176,14 +178,26 @@ def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
         notice_interval_s=args.notice_interval,
         scheduling=SchedulerOptions(budget=args.memory_budget, reserve=args.memory_reserve),
     )
-    listen = None
-    if args.listen:
-        if not args.token_file:
-            raise UsageError(
-                "--listen needs --token-file: the API on TCP takes only requests with that token"
-            )
-        listen = Listen(args.listen[0], args.listen[1], args.token_file)
-    return serve(settings, options, listen)
+    return serve(settings, options, listen_of(args))
+
+
+def listen_of(args: argparse.Namespace) -> Listen | None:
+    """Where ``torpor agent``'s flags ask the API to be served on TCP, refused as a whole when it cannot."""
+    from torpor.apps.agent.serve import Listen
+
+    if not args.listen:
+        if args.token_file or args.tls_cert or args.tls_key:
+            raise UsageError("--token-file, --tls-cert and --tls-key go with --listen HOST:PORT")
+        return None
+    host, port = args.listen
+    if not args.token_file:
+        raise UsageError("--listen needs --token-file: the API on TCP takes only requests with that token")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together: the certificate and its private key")
+    problem = peers_policy.listen_problem(host, port, tls=bool(args.tls_cert))
+    if problem:
+        raise UsageError(problem)
+    return Listen(host, port, args.token_file, args.tls_cert, args.tls_key)
 
 
 def cmd_policy(settings: Settings, args: argparse.Namespace) -> int:
@@ -316,13 +330,28 @@ def add_parsers(sub: Any, add: AddParser) -> None:
         json_flag=False,
     )
     p.add_argument(
-        "--listen", type=address, metavar="HOST:PORT", help="serve the API on TCP too (needs --token-file)"
+        "--listen",
+        type=address,
+        metavar="HOST:PORT",
+        help="serve the API on TCP too (needs --token-file; any address but loopback needs --tls-cert/--tls-key)",
     )
     p.add_argument(
         "--token-file",
         type=Path,
         metavar="FILE",
         help="the bearer token TCP requests must bring: a regular 0600 file of yours (not a link, nor <(...))",
+    )
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve --listen with TLS: this PEM certificate (its chain after it); peers trust it or its CA",
+    )
+    p.add_argument(
+        "--tls-key",
+        type=Path,
+        metavar="FILE",
+        help="the certificate's private key (PEM, a 0600 file of yours)",
     )
     p.add_argument(
         "--round", type=duration, default=1.0, metavar="DURATION", help="time between two rounds (default 1s)"

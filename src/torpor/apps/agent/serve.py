@@ -1,8 +1,10 @@
 """Running the agent: its sockets, its threads, and what SIGTERM and SIGINT do.
 
 The API listens on ``HOME/agent.sock`` (0600, in the private state directory: root only) and, when asked,
-on a TCP address with a bearer token read from a file that must be private to root. The main thread
-serves HTTP (uvicorn); a thread runs the agent's rounds. SIGTERM evacuates the node first (every job
+on a TCP address with a bearer token read from a file that must be private to root: with TLS
+(``--tls-cert``/``--tls-key``), which any address other than loopback needs (policy.peers). The main
+thread serves HTTP (uvicorn), a second one the TLS address (uvicorn gives all the sockets of one server
+the same TLS or none); a thread runs the agent's rounds. SIGTERM evacuates the node first (every job
 hibernated into the durable tier, resumed at the agent's next start: a reboot loses no work) unless the
 agent runs with ``--on-sigterm leave``; SIGINT stops at once, leaving the jobs running (the next agent
 adopts them).
@@ -11,11 +13,11 @@ adopts them).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import threading
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from types import FrameType
 import uvicorn
 
 from torpor.adapters.system import machine, private
+from torpor.apps.agent import tokens
 from torpor.apps.agent.api import create_app
 from torpor.apps.agent.locate import socket_path
 from torpor.apps.agent.service import BY_SHUTDOWN, Agent, AgentOptions
@@ -44,37 +47,31 @@ class Listen:
     host: str
     port: int
     token_file: Path
+    #: the certificate and key of TLS on that address (both or neither; neither: loopback only)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{self.port}"
 
 
-def read_token(path: Path) -> str:
-    """The bearer token in ``path``, which must be a regular file of root's that nobody else can read."""
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The server side of TLS with ``cert`` (PEM, its chain after it) and ``key``, a private file."""
+    tokens.read_private(key, "the TLS key file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a fifo must not block us
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link, or a shell's <(...), which is a link to a pipe
-            raise UsageError(
-                f"the token file {path} is a symbolic link: give a regular file of yours (chmod 600), "
-                "not a link or a process substitution like <(...)"
-            ) from None
-        raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(
-                f"the token file {path} is not a regular file (a pipe, a device or a folder): "
-                "write the token to a file of yours (chmod 600) and give its path"
-            )
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-            raise UnsafePath(
-                f"the token file {path} must be a regular file of yours that only you can read "
-                f"(chmod 600 {path})"
-            )
-        token = handle.read().decode(errors="replace").strip()
-    if len(token) < 16:
+        context.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise UsageError(f"cannot read the TLS certificate {exc.filename or cert}: no such file") from None
+    except (ssl.SSLError, OSError) as exc:
         raise UsageError(
-            f"the token in {path} is too short: use at least 16 characters (e.g. openssl rand -hex 32)"
-        )
-    return token
+            f"cannot serve TLS with the certificate {cert} and the key {key}: {exc} "
+            "(give a PEM certificate and the private key that matches it)"
+        ) from None
+    return context
 
 
 def unix_listener(path: Path) -> socket.socket:
@@ -116,15 +113,36 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _serve_or_stop(server: uvicorn.Server, sockets: list[socket.socket], main: uvicorn.Server) -> None:
+    """Serve ``sockets`` with ``server``; should it stop by itself, the agent stops too (``main``)."""
+    try:
+        server.run(sockets=sockets)
+    except Exception:  # a bug: said in the log, and the agent stops rather than serve half its API
+        log.exception("the TLS server failed")
+    finally:
+        main.should_exit = True
+
+
 def serve(settings: Settings, options: AgentOptions, listen: Listen | None = None) -> int:
     """Run the agent until a signal stops it; 0 when it stopped cleanly."""
-    token = read_token(listen.token_file) if listen else None
+    token = tokens.read_token(listen.token_file) if listen else None
+    tls = None
+    if listen and listen.tls_cert and listen.tls_key:
+        tls = tls_context(listen.tls_cert, listen.tls_key)
     agent = Agent(settings, options)  # takes the lock: a second agent stops here
     sockets = [unix_listener(socket_path(settings))]
+    tls_sockets: list[socket.socket] = []
     if listen:
-        sockets.append(tcp_listener(listen.host, listen.port))
-    config = uvicorn.Config(create_app(agent, token), log_level="warning", access_log=False, lifespan="off")
-    server = _Server(config)
+        (tls_sockets if tls else sockets).append(tcp_listener(listen.host, listen.port))
+    app = create_app(agent, token)
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    # uvicorn serves every socket of a server with or without TLS: the unix socket is served without
+    servers = [server]
+    if tls:
+        tls_config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        tls_config.load()
+        tls_config.ssl = tls  # what load() builds from file names: this one's files were checked already
+        servers.append(_Server(tls_config))
 
     def shutdown(why: str, evacuate: bool) -> None:
         if evacuate:
@@ -137,11 +155,13 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
             )
         agent.stopping.set()
         agent.nudge()
-        server.should_exit = True
+        for each in servers:
+            each.should_exit = True
 
     def on_signal(number: int, _: FrameType | None) -> None:
         if agent.stopping.is_set() or getattr(on_signal, "seen", False):
-            server.force_exit = server.should_exit = True
+            for each in servers:
+                each.force_exit = each.should_exit = True
             return
         on_signal.seen = True  # type: ignore[attr-defined]
         evacuate = number == signal.SIGTERM and (
@@ -160,6 +180,7 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
     agent.round_hooks.append(keeper)
     agent.before_restore.append(keeper.let_go)
     watcher = None
+    tls_thread = None
     try:
         agent.adopt()
         rounds.start()
@@ -171,16 +192,28 @@ def serve(settings: Settings, options: AgentOptions, listen: Listen | None = Non
                 agent.on_notice,
                 on_problem=agent.on_notice_problem,
             ).start()
-        where = str(socket_path(settings)) + (f" and http://{listen.host}:{listen.port}" if listen else "")
+        where = str(socket_path(settings)) + (f" and {listen.url}" if listen else "")
         log.info("torpor agent %d serving on %s (state in %s)", os.getpid(), where, settings.home)
+        if tls:
+            tls_thread = threading.Thread(
+                target=_serve_or_stop,
+                args=(servers[1], tls_sockets, server),
+                name="torpor-agent-tls",
+                daemon=True,
+            )
+            tls_thread.start()
         server.run(sockets=sockets)
     finally:
+        for each in servers:
+            each.should_exit = True
+        if tls_thread is not None:
+            tls_thread.join(10)
         agent.stopping.set()
         agent.nudge()
         if watcher is not None:
             watcher.stop()
         keeper.close()
-        for sock in sockets:
+        for sock in sockets + tls_sockets:
             sock.close()
         with contextlib.suppress(FileNotFoundError):
             socket_path(settings).unlink()

@@ -1,0 +1,229 @@
+"""``torpor peers``: the other machines' agents this one knows (docs/peers.md).
+
+``torpor peers add NAME URL --token-file F [--ca-file F]`` records a peer after asking it who it is (over
+TLS, the token in a header; clear text only on loopback: policy.peers), ``torpor peers [ls]`` asks each
+peer at once how it is, within a timeout, and ``torpor peers rm NAME`` forgets one. What is recorded (its
+token and the certificates it must chain to) is in the private state directory, never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torpor.apps.agent import tokens
+from torpor.apps.agent.client import AgentClient
+from torpor.apps.render import emit_json, human_age, human_bytes, table
+from torpor.core.naming import check_name
+from torpor.core.records import Records
+from torpor.core.recordtypes import Peer
+from torpor.errors import EnvironmentProblem, TorporError, UsageError
+from torpor.policy import peers as policy
+from torpor.settings import Settings
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a peer answered when asked how it is (``GET /v1/node``), or why it did not."""
+
+    peer: Peer
+    node: dict[str, Any] = field(default_factory=dict)
+    #: one line: why the peer could not be asked (None: it answered)
+    problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.peer.name,
+            "url": self.peer.url,
+            "added_at": self.peer.added_at,
+            "reachable": self.problem is None,
+            "problem": self.problem,
+            **{key: self.node.get(key) for key in ("hostname", "version", "draining", "memory", "jobs")},
+        }
+
+
+def trust(peer: Peer) -> ssl.SSLContext | bool:
+    """How ``peer``'s certificate is checked: against its recorded certificates, else the system's."""
+    if not peer.url.startswith("https:"):
+        return False  # loopback in clear text (policy.peers allows nothing else)
+    return ssl.create_default_context(cadata=peer.ca) if peer.ca else ssl.create_default_context()
+
+
+def client_of(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> AgentClient:
+    """A client of ``peer``'s API whose every call gives up after ``timeout_s``."""
+    return AgentClient(url=peer.url, token=peer.token, timeout_s=timeout_s, verify=trust(peer))
+
+
+def ask(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> Seen:
+    """How ``peer`` is; a peer that cannot be asked gives the one-line reason instead, within ``timeout_s``."""
+    client = client_of(peer, timeout_s)
+    try:
+        return Seen(peer, node=client.node())
+    except TorporError as exc:
+        return Seen(peer, problem=exc.message.removeprefix("the agent did not answer: "))
+    finally:
+        client.close()
+
+
+# -- commands ---------------------------------------------------------------------------------------------
+
+
+def cmd_peers(settings: Settings, args: argparse.Namespace) -> int:
+    records = Records(settings.db_path)
+    action: Callable[[Records, argparse.Namespace], int] = {
+        "add": _add,
+        "rm": _remove,
+    }.get(args.peers_command or "ls", _list)
+    return action(records, args)
+
+
+def _add(records: Records, args: argparse.Namespace) -> int:
+    check_name(args.peer, "peer")
+    problem = policy.url_problem(args.url)
+    if problem:
+        raise UsageError(problem)
+    url = policy.base_url(args.url)
+    if args.ca_file and not url.startswith("https:"):
+        raise UsageError("--ca-file goes with an https:// URL")
+    peer = Peer(
+        args.peer,
+        url,
+        tokens.read_token(args.token_file),
+        _read_certificates(args.ca_file) if args.ca_file else None,
+        time.time(),
+    )
+    seen = None
+    if not args.no_check:
+        seen = ask(peer)
+        if seen.problem:
+            raise EnvironmentProblem(
+                f"peer {peer.name} ({peer.url}): {seen.problem}; not added ('--no-check' adds it anyway)"
+            )
+    records.add_peer(peer, replace=args.replace)
+    if args.json:
+        emit_json(seen.to_dict() if seen else Seen(peer).to_dict() | {"reachable": None})
+    else:
+        about = f": torpor {seen.node.get('version')} on {seen.node.get('hostname')}" if seen else ""
+        print(f"added peer {peer.name} ({peer.url}){about}")
+    return 0
+
+
+def _remove(records: Records, args: argparse.Namespace) -> int:
+    if not records.delete_peer(args.peer):
+        records.peer(args.peer)  # raises, naming the peers there are
+    if args.json:
+        emit_json({"removed": args.peer})
+    else:
+        print(f"removed peer {args.peer}")
+    return 0
+
+
+def _list(records: Records, args: argparse.Namespace) -> int:
+    peers = records.peers()
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(peers)))) as pool:
+        seen = list(pool.map(ask, peers))
+    if args.json:
+        emit_json([each.to_dict() for each in seen])
+        return 0
+    if not seen:
+        print("no peers: torpor peers add NAME https://HOST:PORT --token-file FILE [--ca-file FILE]")
+        return 0
+    print(table(["PEER", "URL", "REACHABLE", "HOST", "VERSION", "FREE/BUDGET", "JOBS", "ADDED"], _rows(seen)))
+    return 0
+
+
+def _rows(seen: list[Seen]) -> list[list[str]]:
+    rows = []
+    for each in seen:
+        added = human_age(time.time() - each.peer.added_at) + " ago"
+        if each.problem:
+            rows.append([each.peer.name, each.peer.url, f"no: {each.problem}", "-", "-", "-", "-", added])
+            continue
+        memory = each.node.get("memory") or {}
+        jobs = each.node.get("jobs") or {}
+        rows.append(
+            [
+                each.peer.name,
+                each.peer.url,
+                "yes, draining" if each.node.get("draining") else "yes",
+                str(each.node.get("hostname", "-")),
+                str(each.node.get("version", "-")),
+                f"{human_bytes(memory.get('free'))}/{human_bytes(memory.get('budget'))}",
+                ", ".join(f"{n} {state}" for state, n in sorted(jobs.items())) or "none",
+                added,
+            ]
+        )
+    return rows
+
+
+def _read_certificates(path: Path) -> str:
+    """The PEM certificates in ``path``, checked to be some."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read the CA file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        ssl.create_default_context(cadata=text)
+    except (ssl.SSLError, ValueError):
+        raise UsageError(
+            f"the CA file {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+        ) from None
+    return text
+
+
+# -- parsers ----------------------------------------------------------------------------------------------
+
+
+def add_parsers(sub: Any) -> None:
+    """``torpor peers [ls|add|rm]``."""
+    peers_help = "the other machines' agents this one knows: list them and how each is, add, remove"
+    peers = sub.add_parser(
+        "peers",
+        help=peers_help,
+        description=peers_help
+        + f". Each peer is asked at once, each within {policy.PEER_TIMEOUT_S:g} s: an unreachable one is "
+        "listed with why (docs/peers.md).",
+    )
+    peers_sub = peers.add_subparsers(dest="peers_command", metavar="SUBCOMMAND")
+    ls_help = "list the peers: reachable (or why not), host, torpor version, memory free and budget, jobs"
+    listing = peers_sub.add_parser("ls", help=ls_help, description=ls_help + " (the default)")
+    add_help = "record another machine's agent as peer NAME, once it answered with the token"
+    adding = peers_sub.add_parser("add", help=add_help, description=add_help)
+    adding.add_argument("peer", metavar="NAME", help="the peer's name here")
+    adding.add_argument(
+        "url", metavar="URL", help="its agent's API: https://HOST:PORT (http:// on loopback only)"
+    )
+    adding.add_argument(
+        "--token-file",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the peer agent's token (its --token-file's content): a regular 0600 file of yours",
+    )
+    adding.add_argument(
+        "--ca-file",
+        type=Path,
+        metavar="FILE",
+        help="PEM certificates the peer's TLS certificate must chain to: its own for a self-signed one "
+        "(default: the system's CAs)",
+    )
+    adding.add_argument("--replace", action="store_true", help="replace a peer of that name")
+    adding.add_argument("--no-check", action="store_true", help="record it without asking it first")
+    rm_help = "forget a peer"
+    removing = peers_sub.add_parser("rm", help=rm_help, description=rm_help)
+    removing.add_argument("peer", metavar="NAME", help="the peer's name")
+    for p in (peers, listing, adding, removing):
+        # on the subcommands too, without a default that would hide 'torpor peers --json'
+        p.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS if p is not peers else False,
+            help="print machine-readable JSON",
+        )
+    peers.set_defaults(func=cmd_peers, needs_settings=True)

@@ -1,0 +1,262 @@
+"""Peers (issue 30, its first part): an agent serves its API with TLS beyond loopback, and ``torpor peers``
+adds, lists and removes other machines' agents. Real agents, real TLS (a self-signed certificate made by
+the test), and a real second node: an agent in a network namespace of the test's own, reached over a veth
+pair that the test then takes down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import random
+import ssl
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from conftest import TORPOR, Torpor, free_port
+
+from .conftest import AgentProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "the-peer-token-of-the-test-0123456789"
+
+
+def certificate(folder: Path, *addresses: str) -> tuple[Path, Path]:
+    """A self-signed certificate for ``addresses`` and its key (0600), in ``folder``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "torpor test peer")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+def secret(path: Path, text: str = TOKEN) -> Path:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def other(tmp_path: Path) -> Iterator[Torpor]:
+    """A second state directory: the peer's."""
+    home = tmp_path / "peer-home"
+    env = {
+        **os.environ,
+        "TORPOR_HOME": str(home),
+        "TORPOR_HOT_DIR": f"/dev/shm/torpor-test-{uuid.uuid4().hex[:8]}",
+    }
+    yield Torpor(home, env)
+    subprocess.run(["rm", "-rf", env["TORPOR_HOT_DIR"]], check=False)
+
+
+@pytest.mark.slow  # two agents, one after the other
+def test_an_agent_serves_tls_beyond_loopback_only_and_a_peer_is_added_listed_and_removed(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    cert, key = certificate(tmp_path, "127.0.0.1")
+    token = secret(tmp_path / "token")
+    port = free_port()
+    refused = other.run("agent", "--listen", f"0.0.0.0:{port}", "--token-file", str(token), check=False)
+    assert refused.returncode == 2 and "clear text" in refused.stderr
+    listen = ["--listen", f"127.0.0.1:{port}", "--token-file", str(token)]
+    half = other.run("agent", *listen, "--tls-cert", str(cert), check=False)
+    assert half.returncode == 2 and "go together" in half.stderr
+
+    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    try:
+        peer.start(*listen, "--tls-cert", str(cert), "--tls-key", str(key), "--memory-budget", "1G")
+        url = f"https://127.0.0.1:{port}"
+        answer = httpx.get(
+            url + "/v1/node",
+            verify=ssl.create_default_context(cafile=str(cert)),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert answer.status_code == 200 and answer.json()["memory"]["budget"] == 1 << 30
+        with pytest.raises(httpx.HTTPError):  # no clear text on that port
+            httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=5)
+        assert peer.api.get("/v1/health").status_code == 200  # the unix socket is served as before
+
+        untrusted = torpor.run("peers", "add", "b", url, "--token-file", str(token), check=False)
+        assert (
+            untrusted.returncode == 3
+            and "not one to trust" in untrusted.stderr
+            and "not added" in untrusted.stderr
+        )
+        wrong = torpor.run(
+            "peers",
+            "add",
+            "b",
+            url,
+            "--token-file",
+            str(secret(tmp_path / "wrong", "x" * 32)),
+            "--ca-file",
+            str(cert),
+            check=False,
+        )
+        assert wrong.returncode == 3 and "wrong bearer token" in wrong.stderr
+        clear = torpor.run(
+            "peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token), check=False
+        )
+        assert clear.returncode == 3 and "wants https://" in clear.stderr
+        assert torpor.json("peers") == []
+
+        added = torpor.run("peers", "add", "b", url + "/", "--token-file", str(token), "--ca-file", str(cert))
+        assert "added peer b (https://127.0.0.1:" in added.stdout
+        again = torpor.run(
+            "peers", "add", "b", url, "--token-file", str(token), "--ca-file", str(cert), check=False
+        )
+        assert again.returncode == 2 and "--replace" in again.stderr
+
+        other.run("run", "--name", "sleeper", "--", "sleep", "300")
+        [seen] = torpor.json("peers")
+        assert seen["name"] == "b" and seen["url"] == url and seen["reachable"] is True
+        assert seen["memory"]["budget"] == 1 << 30 and seen["jobs"] == {"running": 1}
+        assert seen["draining"] is None and seen["version"]
+        listing = torpor.run("peers").stdout
+        assert "1 running" in listing and TOKEN not in listing and TOKEN not in json.dumps(seen)
+
+        peer.stop()
+        [down] = torpor.json("peers", "ls")
+        assert down["reachable"] is False and "cannot connect" in down["problem"]
+        assert "no: cannot connect" in torpor.run("peers").stdout
+
+        assert torpor.run("peers", "rm", "b").stdout.strip() == "removed peer b"
+        gone = torpor.run("peers", "rm", "b", check=False)
+        assert gone.returncode == 2 and "no peer named 'b'" in gone.stderr
+    finally:
+        peer.close()
+        other.run("rm", "--force", "sleeper", check=False)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[str, str, str]]:
+    """A second node: a network namespace joined to this one by a veth pair of a /30 no route uses.
+    Yields the namespace, this side's link and the node's address; everything is removed after."""
+    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+    while True:
+        subnet = ipaddress.ip_network(f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/30")
+        if str(subnet.network_address).rsplit(".", 1)[0] + "." not in routes:
+            break
+    tag = uuid.uuid4().hex[:6]
+    netns, here, there = f"torpor-peer-{tag}", f"tpa{tag}", f"tpb{tag}"
+    mine, its = (str(a) for a in subnet.hosts())
+    _ip("netns", "add", netns)
+    try:
+        _ip("link", "add", here, "type", "veth", "peer", "name", there)
+        _ip("link", "set", there, "netns", netns)
+        _ip("addr", "add", f"{mine}/30", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", netns, "addr", "add", f"{its}/30", "dev", there)
+        _ip("-n", netns, "link", "set", there, "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
+        yield netns, here, its
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
+
+
+@pytest.mark.root("to make a network namespace and a veth pair")
+def test_a_peer_on_another_node_is_reachable_over_tls_and_unreachable_in_one_line_once_its_link_is_cut(
+    torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str]
+) -> None:
+    netns, link, address = node
+    cert, key = certificate(tmp_path, address)
+    token = secret(tmp_path / "token")
+    port = free_port()
+    with open(tmp_path / "node-agent.log", "wb") as log:
+        agent = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                netns,
+                TORPOR,
+                "agent",
+                "--round",
+                "200ms",
+                "--listen",
+                f"{address}:{port}",
+                "--token-file",
+                str(token),
+                "--tls-cert",
+                str(cert),
+                "--tls-key",
+                str(key),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=other.env,
+        )
+    try:
+        url = f"https://{address}:{port}"
+        deadline = time.monotonic() + 30
+        while torpor.run(
+            "peers", "add", "node2", url, "--token-file", str(token), "--ca-file", str(cert), check=False
+        ).returncode:
+            assert agent.poll() is None, (tmp_path / "node-agent.log").read_text()
+            assert time.monotonic() < deadline, "the node's agent never answered"
+            time.sleep(0.3)
+        [seen] = torpor.json("peers")
+        assert seen["reachable"] is True and seen["jobs"] == {}
+
+        _ip("link", "set", link, "down")  # the cable is cut
+        started = time.monotonic()
+        listed = torpor.run("peers")
+        took = time.monotonic() - started
+        assert listed.returncode == 0 and "node2" in listed.stdout and "no: " in listed.stdout, listed.stdout
+        assert took < 30, f"torpor peers took {took:.1f} s with the peer cut off"
+        failed = torpor.run(
+            "peers", "add", "again", url, "--token-file", str(token), "--ca-file", str(cert), check=False
+        )
+        assert failed.returncode == 3 and len(failed.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in failed.stderr and "peer again" in failed.stderr
+
+        _ip("link", "set", link, "up")
+        torpor.wait_for(lambda: torpor.json("peers")[0]["reachable"] is True, 30, "the peer reachable again")
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
