@@ -7,12 +7,14 @@ pair that the test then takes down.
 from __future__ import annotations
 
 import datetime
+import http.server
 import ipaddress
 import json
 import os
 import random
 import ssl
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -161,6 +163,51 @@ def test_an_agent_serves_tls_beyond_loopback_only_and_a_peer_is_added_listed_and
     finally:
         peer.close()
         other.run("rm", "--force", "sleeper", check=False)
+
+
+class _NotAnAgent(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"<html>\n<p>hello</p>\n</html>\n" if self.path == "/v1/node" else b"<html>\nno\n</html>\n"
+        self.send_response(200 if self.path == "/v1/node" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("path", ["/v1/node", "/elsewhere"])
+def test_a_server_that_is_no_agent_is_not_added_and_said_so_in_one_line(
+    torpor: Torpor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAnAgent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        if path != "/v1/node":  # a server whose every page is a 404 of many lines
+            monkeypatch.setattr(_NotAnAgent, "do_GET", _not_found)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = torpor.run(
+            "peers", "add", "web", url, "--token-file", str(secret(tmp_path / "t")), check=False
+        )
+        assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr and "not added" in result.stderr
+        assert (
+            "not as a torpor agent does" in result.stderr
+            or "not the answer of a torpor agent" in result.stderr
+        )
+        assert torpor.json("peers") == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _not_found(handler: http.server.BaseHTTPRequestHandler) -> None:
+    body = b"<html>\n<p>not here</p>\n</html>\n"
+    handler.send_response(404)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 def _ip(*args: str) -> None:

@@ -66,7 +66,9 @@ def ask(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> Seen:
     try:
         return Seen(peer, node=client.node())
     except TorporError as exc:
-        return Seen(peer, problem=exc.message.removeprefix("the agent did not answer: "))
+        # one line, also where a server that is no agent answered a page of text
+        line = exc.message.removeprefix("the agent did not answer: ").strip().splitlines()[0]
+        return Seen(peer, problem=line if len(line) <= 200 else line[:199] + "…")
     finally:
         client.close()
 

@@ -85,7 +85,13 @@ class AgentClient:
 
     def node(self) -> dict[str, Any]:
         """The node's name, version, draining, memory and job counts (``GET /v1/node``)."""
-        return dict(self._json("GET", "/v1/node"))
+        try:
+            answer = self._json("GET", "/v1/node")
+        except ValueError:  # not JSON
+            answer = None
+        if not isinstance(answer, dict):
+            raise EnvironmentProblem("it answered, but not as a torpor agent does (GET /v1/node)")
+        return answer
 
     # -- calls -----------------------------------------------------------------------------------------
 
@@ -322,7 +328,11 @@ def _body(reply: httpx.Response) -> dict[str, Any]:
     try:
         data = reply.json()
     except ValueError:
-        return {"error": reply.text.strip() or f"HTTP {reply.status_code}"}
+        first = next((line.strip() for line in reply.text.splitlines() if line.strip()), "")[:80]
+        return {
+            "error": f"HTTP {reply.status_code}, not the answer of a torpor agent"
+            + (f": {first}" if first else "")
+        }
     if isinstance(data, dict) and "error" in data:
         return data
     if isinstance(data, dict) and "detail" in data:  # FastAPI's own (a request that fails validation)
