@@ -158,7 +158,6 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
     def node() -> dict[str, Any]:
         """What a peer asks of this node (``torpor peers``): its name, torpor's version, whether it drains,
         its memory budget and what is free of it, and how many jobs it has in each state."""
-        queue_ = scheduling().queue()
         states: dict[str, int] = {}
         for each in records.jobs():
             states[str(each.state)] = states.get(str(each.state), 0) + 1
@@ -166,7 +165,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
             "hostname": socket.gethostname(),
             "version": __version__,
             "draining": agent.draining(),
-            "memory": {key: queue_[key] for key in ("budget", "reserve", "held", "free", "mem_available")},
+            "memory": scheduling().memory(),
             "jobs": states,
         }
 

@@ -222,7 +222,6 @@ class Scheduling:
     def queue(self) -> dict[str, Any]:
         """The queue as ``torpor queue`` shows it: the budget, and every submitted job not ended."""
         snapshot = self._snapshot or self.snapshot(time.time())
-        held = sum(job.charge for job in snapshot.jobs if job.state in _HOLDING)
         submissions = self.records.submissions()
         rows = []
         for job in snapshot.jobs:
@@ -249,14 +248,18 @@ class Scheduling:
             )
         order = {str(State.QUEUED): 0, str(State.HIBERNATED): 1}
         rows.sort(key=lambda row: (order.get(str(row["state"]), 2), -_number(row["effective_priority"])))
+        return {**self.memory(snapshot), "psi_full_avg10": snapshot.pressure.psi_full_avg10, "jobs": rows}
+
+    def memory(self, snapshot: Snapshot | None = None) -> dict[str, int | None]:
+        """The budget, the reserve, what the jobs hold of the budget and what is free, and MemAvailable."""
+        snapshot = snapshot or self._snapshot or self.snapshot(time.time())
+        held = sum(job.charge for job in snapshot.jobs if job.state in _HOLDING)
         return {
             "budget": self.budget,
             "reserve": self.reserve,
             "held": held,
             "free": max(0, self.budget - held),
             "mem_available": snapshot.pressure.mem_available,
-            "psi_full_avg10": snapshot.pressure.psi_full_avg10,
-            "jobs": rows,
         }
 
     def quotas(self) -> dict[str, Any]:
