@@ -21,6 +21,7 @@ from torpor.apps.agent import tokens
 from torpor.apps.agent.client import AgentClient
 from torpor.apps.render import emit_json, human_age, human_bytes, table
 from torpor.core.naming import check_name
+from torpor.core.peers import Peers
 from torpor.core.records import Records
 from torpor.core.recordtypes import Peer
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
@@ -77,15 +78,15 @@ def ask(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> Seen:
 
 
 def cmd_peers(settings: Settings, args: argparse.Namespace) -> int:
-    records = Records(settings.db_path)
-    action: Callable[[Records, argparse.Namespace], int] = {
+    peers = Peers(Records(settings.db_path))
+    action: Callable[[Peers, argparse.Namespace], int] = {
         "add": _add,
         "rm": _remove,
     }.get(args.peers_command or "ls", _list)
-    return action(records, args)
+    return action(peers, args)
 
 
-def _add(records: Records, args: argparse.Namespace) -> int:
+def _add(peers: Peers, args: argparse.Namespace) -> int:
     check_name(args.peer, "peer")
     problem = policy.url_problem(args.url)
     if problem:
@@ -107,7 +108,7 @@ def _add(records: Records, args: argparse.Namespace) -> int:
             raise EnvironmentProblem(
                 f"peer {peer.name} ({peer.url}): {seen.problem}; not added ('--no-check' adds it anyway)"
             )
-    records.add_peer(peer, replace=args.replace)
+    peers.add(peer, replace=args.replace)
     if args.json:
         emit_json(seen.to_dict() if seen else Seen(peer).to_dict() | {"reachable": None})
     else:
@@ -116,9 +117,9 @@ def _add(records: Records, args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove(records: Records, args: argparse.Namespace) -> int:
-    if not records.delete_peer(args.peer):
-        records.peer(args.peer)  # raises, naming the peers there are
+def _remove(peers: Peers, args: argparse.Namespace) -> int:
+    if not peers.delete(args.peer):
+        peers.get(args.peer)  # raises, naming the peers there are
     if args.json:
         emit_json({"removed": args.peer})
     else:
@@ -126,10 +127,10 @@ def _remove(records: Records, args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(records: Records, args: argparse.Namespace) -> int:
-    peers = records.peers()
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(peers)))) as pool:
-        seen = list(pool.map(ask, peers))
+def _list(peers: Peers, args: argparse.Namespace) -> int:
+    recorded = peers.all()
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(recorded)))) as pool:
+        seen = list(pool.map(ask, recorded))
     if args.json:
         emit_json([each.to_dict() for each in seen])
         return 0

@@ -27,7 +27,6 @@ from torpor.core.recordtypes import (
     Job,
     JobName,
     JobState,
-    Peer,
     Quota,
     Submission,
 )
@@ -467,39 +466,6 @@ class Records:
         with self.transaction() as db:
             rows = db.execute("SELECT * FROM quotas ORDER BY project").fetchall()
         return {row["project"]: Quota(row["project"], row["share"], row["borrow_limit"]) for row in rows}
-
-    # -- peers ------------------------------------------------------------------------------------------
-
-    def add_peer(self, peer: Peer, replace: bool = False) -> None:
-        """Record ``peer``; UsageError if one of its name is recorded already, unless ``replace``."""
-        with self.transaction() as db:
-            if not replace and db.execute("SELECT 1 FROM peers WHERE name=?", (peer.name,)).fetchone():
-                raise UsageError(
-                    f"a peer named {peer.name!r} is recorded already: 'torpor peers rm {peer.name}' first, "
-                    "or add it with --replace"
-                )
-            db.execute(
-                "INSERT OR REPLACE INTO peers(name, url, token, ca, added_at) VALUES (?,?,?,?,?)",
-                (peer.name, peer.url, peer.token, peer.ca, peer.added_at),
-            )
-
-    def delete_peer(self, name: str) -> bool:
-        with self.transaction() as db:
-            return db.execute("DELETE FROM peers WHERE name=?", (name,)).rowcount > 0
-
-    def peers(self) -> list[Peer]:
-        with self.transaction() as db:
-            rows = db.execute("SELECT * FROM peers ORDER BY name").fetchall()
-        return [Peer(row["name"], row["url"], row["token"], row["ca"], row["added_at"]) for row in rows]
-
-    def peer(self, name: str) -> Peer:
-        """The peer ``name``; UsageError naming the known ones when there is none."""
-        peers = self.peers()
-        for peer in peers:
-            if peer.name == name:
-                return peer
-        known = ", ".join(p.name for p in peers) or "none yet ('torpor peers add NAME URL ...')"
-        raise UsageError(f"no peer named {name!r}; the peers are: {known}")
 
     def mark_stopped_dump(self, name: JobName, checkpoint_id: CheckpointId | None) -> None:
         """Say that torpor stopped job ``name``'s processes (SIGSTOP) before dumping it into

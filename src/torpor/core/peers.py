@@ -1,0 +1,51 @@
+"""Peers: other machines' agents this state directory may ask (``torpor peers add``).
+
+Their table is in :mod:`torpor.core.records`' schema; its token and CA are secrets of this state
+directory, as every row of torpor.db is. Asking a peer is :mod:`torpor.apps.peers`'.
+"""
+
+from __future__ import annotations
+
+from torpor.core.records import Records
+from torpor.core.recordtypes import Peer
+from torpor.errors import UsageError
+
+
+class Peers:
+    """The peers recorded in ``records``."""
+
+    def __init__(self, records: Records) -> None:
+        self.records = records
+
+    def add(self, peer: Peer, replace: bool = False) -> None:
+        """Record ``peer``; UsageError if one of its name is recorded already, unless ``replace``."""
+        with self.records.transaction() as db:
+            if not replace and db.execute("SELECT 1 FROM peers WHERE name=?", (peer.name,)).fetchone():
+                raise UsageError(
+                    f"a peer named {peer.name!r} is recorded already: 'torpor peers rm {peer.name}' first, "
+                    "or add it with --replace"
+                )
+            db.execute(
+                "INSERT OR REPLACE INTO peers(name, url, token, ca, added_at) VALUES (?,?,?,?,?)",
+                (peer.name, peer.url, peer.token, peer.ca, peer.added_at),
+            )
+
+    def delete(self, name: str) -> bool:
+        """Forget the peer ``name``; whether there was one."""
+        with self.records.transaction() as db:
+            return db.execute("DELETE FROM peers WHERE name=?", (name,)).rowcount > 0
+
+    def all(self) -> list[Peer]:
+        """Every peer, by name."""
+        with self.records.transaction() as db:
+            rows = db.execute("SELECT * FROM peers ORDER BY name").fetchall()
+        return [Peer(row["name"], row["url"], row["token"], row["ca"], row["added_at"]) for row in rows]
+
+    def get(self, name: str) -> Peer:
+        """The peer ``name``; UsageError naming the known ones when there is none."""
+        peers = self.all()
+        for peer in peers:
+            if peer.name == name:
+                return peer
+        known = ", ".join(p.name for p in peers) or "none yet ('torpor peers add NAME URL ...')"
+        raise UsageError(f"no peer named {name!r}; the peers are: {known}")
