@@ -28,6 +28,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from conftest import TORPOR, Torpor, free_port
+from torpor.adapters import jobnet
+from torpor.policy.addresses import overlapping
 
 from .conftest import AgentProcess
 
@@ -218,10 +220,10 @@ def _ip(*args: str) -> None:
 def node() -> Iterator[tuple[str, str, str]]:
     """A second node: a network namespace joined to this one by a veth pair of a /30 no route uses.
     Yields the namespace, this side's link and the node's address; everything is removed after."""
-    routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
+    routed = jobnet.routed_networks(jobnet.Bridge("torpor-unused"))
     while True:
-        subnet = ipaddress.ip_network(f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/30")
-        if str(subnet.network_address).rsplit(".", 1)[0] + "." not in routes:
+        subnet = ipaddress.IPv4Network(f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/30")
+        if not overlapping(subnet, routed):
             break
     tag = uuid.uuid4().hex[:6]
     netns, here, there = f"torpor-peer-{tag}", f"tpa{tag}", f"tpb{tag}"
