@@ -15,10 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torpor.apps.agent import tokens
-from torpor.apps.agent.client import AgentClient
 from torpor.apps.render import emit_json, human_age, human_bytes, table
 from torpor.core.naming import check_name
 from torpor.core.peers import Peers
@@ -27,6 +26,9 @@ from torpor.core.recordtypes import Peer
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
 from torpor.policy import peers as policy
 from torpor.settings import Settings
+
+if TYPE_CHECKING:  # httpx is imported by the commands that call a peer only: it costs every CLI call 0.3 s
+    from torpor.apps.agent.client import AgentClient
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ def trust(peer: Peer) -> ssl.SSLContext | bool:
 
 def client_of(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> AgentClient:
     """A client of ``peer``'s API whose every call gives up after ``timeout_s``."""
+    from torpor.apps.agent.client import AgentClient
+
     return AgentClient(url=peer.url, token=peer.token, timeout_s=timeout_s, verify=trust(peer))
 
 
