@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "the-peer-token-of-the-test-0123456789"
 
 
-def certificate(folder: Path, *addresses: str) -> tuple[Path, Path]:
+def certificate(folder: Path, *addresses: str, ca: bool = True) -> tuple[Path, Path]:
     """A self-signed certificate for ``addresses`` and its key (0600), in ``folder``."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "torpor test peer")])
@@ -55,7 +55,7 @@ def certificate(folder: Path, *addresses: str) -> tuple[Path, Path]:
             x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]),
             critical=False,
         )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
@@ -153,6 +153,11 @@ def test_an_agent_serves_tls_beyond_loopback_only_and_a_peer_is_added_listed_and
         assert seen["draining"] is None and seen["version"]
         listing = torpor.run("peers").stdout
         assert "1 running" in listing and TOKEN not in listing and TOKEN not in json.dumps(seen)
+        # the same agent again, trusted by its certificate's fingerprint instead of a CA file
+        torpor.run("peers", "add", "c", url, "--token-file", str(token), "--fingerprint", sha256_of(cert))
+        pinned = {each["name"]: each for each in torpor.json("peers")}["c"]
+        assert pinned["reachable"] is True and pinned["pinned"].startswith("sha256:")
+        torpor.run("peers", "rm", "c")
 
         peer.stop()
         [down] = torpor.json("peers", "ls")
@@ -309,3 +314,101 @@ def test_a_peer_on_another_node_is_reachable_over_tls_and_unreachable_in_one_lin
         except subprocess.TimeoutExpired:
             agent.kill()
             agent.wait()
+
+
+def sha256_of(cert: Path) -> str:
+    """The fingerprint as openssl prints it: upper-case pairs joined by colons."""
+    digest = x509.load_pem_x509_certificate(cert.read_bytes()).fingerprint(hashes.SHA256()).hex().upper()
+    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A TLS server on loopback that is no agent, with a certificate for another address (192.0.2.1)."""
+    cert, key = certificate(tmp_path, "192.0.2.1", ca=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAnAgent)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", cert
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_peer_pinned_by_another_certificates_fingerprint_is_refused_in_one_line_and_not_added(
+    torpor: Torpor, tmp_path: Path, tls_server: tuple[str, Path]
+) -> None:
+    url, cert = tls_server
+    token = str(secret(tmp_path / "t"))
+    (tmp_path / "another").mkdir()
+    another, _ = certificate(tmp_path / "another", "127.0.0.1")
+    wrong = torpor.run(
+        "peers", "add", "p", url, "--token-file", token, "--fingerprint", sha256_of(another), check=False
+    )
+    assert wrong.returncode == 3 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    seen = sha256_of(cert).replace(":", "").lower()
+    assert (
+        f"has the fingerprint sha256:{seen}, not the sha256:" in wrong.stderr and "not added" in wrong.stderr
+    )
+    assert torpor.json("peers") == []
+
+
+def test_a_pinned_certificate_is_trusted_whatever_host_it_names_and_the_answer_is_still_checked(
+    torpor: Torpor, tmp_path: Path, tls_server: tuple[str, Path]
+) -> None:
+    url, cert = tls_server
+    token = str(secret(tmp_path / "t"))
+    # by its CA file, the certificate names another host: refused
+    named = torpor.run("peers", "add", "p", url, "--token-file", token, "--ca-file", str(cert), check=False)
+    assert named.returncode == 3 and "not added" in named.stderr
+    # pinned, the TLS is trusted: what stops it now is that the server is no agent
+    pinned = torpor.run(
+        "peers", "add", "p", url, "--token-file", token, "--fingerprint", sha256_of(cert), check=False
+    )
+    assert pinned.returncode == 3 and "not as a torpor agent does" in pinned.stderr, pinned.stderr
+    pin = "sha256:" + sha256_of(cert).replace(":", "").lower()
+    kept = torpor.run(
+        "peers", "add", "p", url, "--token-file", token, "--fingerprint", pin, "--no-check", "--json"
+    )
+    assert json.loads(kept.stdout)["pinned"] == pin
+    [listed] = torpor.json("peers")
+    assert listed["pinned"] == pin
+    assert "not as a torpor agent does" in listed["problem"]  # TLS passed, as pinned
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--fingerprint", "ab:cd"], "bad --fingerprint 'ab:cd'"),
+        (["--fingerprint", "0" * 64, "--ca-file", "x.pem"], "give one"),
+    ],
+)
+def test_a_bad_fingerprint_or_two_ways_of_trust_are_usage_errors(
+    torpor: Torpor, tmp_path: Path, flags: list[str], says: str
+) -> None:
+    result = torpor.run(
+        "peers",
+        "add",
+        "p",
+        "https://127.0.0.1:1",
+        "--token-file",
+        str(secret(tmp_path / "t")),
+        *flags,
+        check=False,
+    )
+    assert result.returncode == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    clear = torpor.run(
+        "peers",
+        "add",
+        "p",
+        "http://127.0.0.1:1",
+        "--token-file",
+        str(tmp_path / "t"),
+        "--fingerprint",
+        "0" * 64,
+        check=False,
+    )
+    assert clear.returncode == 2 and "--fingerprint goes with an https:// URL" in clear.stderr

@@ -53,3 +53,26 @@ def test_https_anywhere_and_http_on_loopback_are_peers_urls(url: str) -> None:
 
 def test_a_peer_s_url_is_kept_without_its_trailing_slash() -> None:
     assert peers.base_url("https://node2:7788/") == "https://node2:7788"
+
+
+DIGITS = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        DIGITS,
+        DIGITS.upper(),
+        ":".join([DIGITS[i : i + 2] for i in range(0, 64, 2)]).upper(),
+        f"sha256:{DIGITS}",
+        f"SHA256 Fingerprint={':'.join([DIGITS[i : i + 2] for i in range(0, 64, 2)]).upper()}",
+        f"  {DIGITS}\n",
+    ],
+)
+def test_a_fingerprint_is_read_as_people_and_openssl_write_it(given: str) -> None:
+    assert peers.fingerprint(given) == f"sha256:{DIGITS}"
+
+
+@pytest.mark.parametrize("given", ["", "ab:cd", DIGITS[:-1], DIGITS + "0", "g" * 64, f"sha1:{DIGITS}"])
+def test_anything_else_is_no_fingerprint(given: str) -> None:
+    assert peers.fingerprint(given) is None

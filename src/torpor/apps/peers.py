@@ -9,6 +9,7 @@ token and the certificates it must chain to) is in the private state directory, 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ssl
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from torpor.apps.agent import tokens
 from torpor.apps.render import emit_json, human_age, human_bytes, table
@@ -47,15 +49,43 @@ class Seen:
             "added_at": self.peer.added_at,
             "reachable": self.problem is None,
             "problem": self.problem,
+            "pinned": self.peer.pin,
             **{key: self.node.get(key) for key in ("hostname", "version", "draining", "memory", "jobs")},
         }
 
 
 def trust(peer: Peer) -> ssl.SSLContext | bool:
-    """How ``peer``'s certificate is checked: against its recorded certificates, else the system's."""
+    """How ``peer``'s certificate is checked: against its recorded certificates, else the system's. A
+    pinned peer's is its very certificate, trusted alone (no chain above it) and whatever host it names."""
     if not peer.url.startswith("https:"):
         return False  # loopback in clear text (policy.peers allows nothing else)
-    return ssl.create_default_context(cadata=peer.ca) if peer.ca else ssl.create_default_context()
+    if not peer.ca:
+        return ssl.create_default_context()
+    context = ssl.create_default_context(cadata=peer.ca)
+    if peer.pin:
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        context.check_hostname = False
+    return context
+
+
+def pinned_certificate(url: str, pin: str, timeout_s: float = policy.PEER_TIMEOUT_S) -> str:
+    """The PEM certificate ``url``'s server shows, checked to have the fingerprint ``pin``
+    (``sha256:HEX``); EnvironmentProblem (one line) if it cannot be had or has another."""
+    parts = urlsplit(url)
+    address = (parts.hostname or "", parts.port or 443)
+    try:
+        pem = ssl.get_server_certificate(address, timeout=timeout_s)
+    except (OSError, ssl.SSLError) as exc:
+        raise EnvironmentProblem(
+            f"cannot get the certificate of {url}: {getattr(exc, 'strerror', None) or exc}; not added"
+        ) from None
+    seen = "sha256:" + hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest()
+    if seen != pin:
+        raise EnvironmentProblem(
+            f"the certificate of {url} has the fingerprint {seen}, not the {pin} given; not added "
+            "(someone may be in between, or the peer has a new certificate)"
+        )
+    return pem
 
 
 def client_of(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> AgentClient:
@@ -96,15 +126,25 @@ def _add(peers: Peers, args: argparse.Namespace) -> int:
     if problem:
         raise UsageError(problem)
     url = policy.base_url(args.url)
-    if args.ca_file and not url.startswith("https:"):
-        raise UsageError("--ca-file goes with an https:// URL")
-    peer = Peer(
-        args.peer,
-        url,
-        tokens.read_token(args.token_file),
-        _read_certificates(args.ca_file) if args.ca_file else None,
-        time.time(),
-    )
+    if (args.ca_file or args.fingerprint) and not url.startswith("https:"):
+        raise UsageError(f"{'--ca-file' if args.ca_file else '--fingerprint'} goes with an https:// URL")
+    if args.ca_file and args.fingerprint:
+        raise UsageError("--ca-file and --fingerprint are two ways to trust a peer: give one")
+    pin = None
+    if args.fingerprint:
+        pin = policy.fingerprint(args.fingerprint)
+        if pin is None:
+            raise UsageError(
+                f"bad --fingerprint {args.fingerprint!r}: give the SHA-256 of the peer's certificate, as "
+                "'openssl x509 -noout -fingerprint -sha256 -in CERT' prints it"
+            )
+    token = tokens.read_token(args.token_file)
+    ca = None
+    if args.ca_file:
+        ca = _read_certificates(args.ca_file)
+    elif pin:
+        ca = pinned_certificate(url, pin)  # asks the peer for it, even with --no-check
+    peer = Peer(args.peer, url, token, ca, time.time(), pin)
     seen = None
     if not args.no_check:
         seen = ask(peer)
@@ -219,6 +259,12 @@ def add_parsers(sub: Any) -> None:
         metavar="FILE",
         help="PEM certificates the peer's TLS certificate must chain to: its own for a self-signed one "
         "(default: the system's CAs)",
+    )
+    adding.add_argument(
+        "--fingerprint",
+        metavar="SHA256",
+        help="trust the peer's certificate by its SHA-256 fingerprint alone (as 'openssl x509 -noout "
+        "-fingerprint -sha256' prints it), whatever host it names; instead of --ca-file",
     )
     adding.add_argument("--replace", action="store_true", help="replace a peer of that name")
     adding.add_argument("--no-check", action="store_true", help="record it without asking it first")

@@ -25,10 +25,13 @@ class Peers:
                     f"a peer named {peer.name!r} is recorded already: 'torpor peers rm {peer.name}' first, "
                     "or add it with --replace"
                 )
+            db.execute("DELETE FROM peers WHERE name=?", (peer.name,))  # and its pin, if it had one
             db.execute(
-                "INSERT OR REPLACE INTO peers(name, url, token, ca, added_at) VALUES (?,?,?,?,?)",
+                "INSERT INTO peers(name, url, token, ca, added_at) VALUES (?,?,?,?,?)",
                 (peer.name, peer.url, peer.token, peer.ca, peer.added_at),
             )
+            if peer.pin is not None:
+                db.execute("INSERT INTO peer_pins(name, fingerprint) VALUES (?,?)", (peer.name, peer.pin))
 
     def delete(self, name: str) -> bool:
         """Forget the peer ``name``; whether there was one."""
@@ -38,8 +41,14 @@ class Peers:
     def all(self) -> list[Peer]:
         """Every peer, by name."""
         with self.records.transaction() as db:
-            rows = db.execute("SELECT * FROM peers ORDER BY name").fetchall()
-        return [Peer(row["name"], row["url"], row["token"], row["ca"], row["added_at"]) for row in rows]
+            rows = db.execute(
+                "SELECT peers.*, peer_pins.fingerprint FROM peers"
+                " LEFT JOIN peer_pins ON peer_pins.name = peers.name ORDER BY peers.name"
+            ).fetchall()
+        return [
+            Peer(row["name"], row["url"], row["token"], row["ca"], row["added_at"], row["fingerprint"])
+            for row in rows
+        ]
 
     def get(self, name: str) -> Peer:
         """The peer ``name``; UsageError naming the known ones when there is none."""

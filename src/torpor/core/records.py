@@ -137,6 +137,11 @@ CREATE TABLE IF NOT EXISTS peers (
     ca TEXT,
     added_at REAL NOT NULL
 );
+-- a peer added by its certificate's fingerprint ('--fingerprint'): its ca is that certificate, pinned
+CREATE TABLE IF NOT EXISTS peer_pins (
+    name TEXT PRIMARY KEY REFERENCES peers(name) ON DELETE CASCADE,
+    fingerprint TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,

@@ -161,13 +161,18 @@ class Quota:
 @dataclass(frozen=True)
 class Peer:
     """Another machine's agent this one may speak to (``torpor peers add``): its API's base URL, the bearer
-    token it takes, and the PEM certificates that its TLS certificate must chain to (None: the system's)."""
+    token it takes, and the PEM certificates that its TLS certificate must chain to (None: the system's).
+
+    ``pin``: the SHA-256 fingerprint (``sha256:HEX``) the peer was added by; ``ca`` is then the very
+    certificate that has it, and only that certificate (or one it signed) is trusted, whatever host it names.
+    """
 
     name: str
     url: str
     token: str = field(repr=False)
     ca: str | None = field(default=None, repr=False)
     added_at: float = 0.0
+    pin: str | None = None
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,19 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def fingerprint(text: str) -> str | None:
+    """A SHA-256 certificate fingerprint as it is stored, ``sha256:`` and 64 lower-case hex digits, from
+    how a person gives it: with or without colons, ``sha256:`` or openssl's ``sha256 Fingerprint=``;
+    None if ``text`` is not one."""
+    digits = text.strip().lower()
+    for prefix in ("sha256 fingerprint=", "sha256:", "sha256="):
+        digits = digits.removeprefix(prefix)
+    digits = digits.replace(":", "")
+    if len(digits) != 64 or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return "sha256:" + digits
+
+
 def base_url(url: str) -> str:
     """``url`` as it is stored: scheme, host and port, without a trailing slash (``url_problem`` is None)."""
     parts = urlsplit(url)
