@@ -151,6 +151,9 @@ def test_an_agent_serves_tls_beyond_loopback_only_and_a_peer_is_added_listed_and
         assert seen["name"] == "b" and seen["url"] == url and seen["reachable"] is True
         assert seen["memory"]["budget"] == 1 << 30 and seen["jobs"] == {"running": 1}
         assert seen["draining"] is None and seen["version"]
+        assert (
+            seen["arch"] and seen["kernel"] and "criu" in seen and seen["differs"] == []
+        )  # the same machine
         listing = torpor.run("peers").stdout
         assert "1 running" in listing and TOKEN not in listing and TOKEN not in json.dumps(seen)
         # the same agent again, trusted by its certificate's fingerprint instead of a CA file

@@ -76,3 +76,14 @@ def test_a_fingerprint_is_read_as_people_and_openssl_write_it(given: str) -> Non
 @pytest.mark.parametrize("given", ["", "ab:cd", DIGITS[:-1], DIGITS + "0", "g" * 64, f"sha1:{DIGITS}"])
 def test_anything_else_is_no_fingerprint(given: str) -> None:
     assert peers.fingerprint(given) is None
+
+
+def test_a_peer_of_another_architecture_or_criu_differs_and_unknowns_do_not() -> None:
+    here = {"arch": "x86_64", "criu": "4.2"}
+    assert peers.differences(here, {"arch": "x86_64", "criu": "4.2", "kernel": "6.1"}) == []
+    assert peers.differences(here, {"arch": "aarch64", "criu": "4.1"}) == [
+        "arch aarch64, here x86_64",
+        "CRIU 4.1, here 4.2",
+    ]
+    assert peers.differences(here, {"arch": "x86_64", "criu": None}) == []
+    assert peers.differences({"arch": "x86_64", "criu": None}, {"arch": "x86_64", "criu": "4.2"}) == []

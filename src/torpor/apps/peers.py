@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import platform
 import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from torpor.adapters.criu import Criu
 from torpor.apps.agent import tokens
 from torpor.apps.render import emit_json, human_age, human_bytes, table
 from torpor.core.naming import check_name
@@ -41,6 +43,8 @@ class Seen:
     node: dict[str, Any] = field(default_factory=dict)
     #: one line: why the peer could not be asked (None: it answered)
     problem: str | None = None
+    #: how its machine is unlike this one (policy.peers.differences)
+    differs: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,8 +54,26 @@ class Seen:
             "reachable": self.problem is None,
             "problem": self.problem,
             "pinned": self.peer.pin,
-            **{key: self.node.get(key) for key in ("hostname", "version", "draining", "memory", "jobs")},
+            **{key: self.node.get(key) for key in _NODE_KEYS},
+            "differs": list(self.differs),
         }
+
+    def compared(self, here: dict[str, Any]) -> Seen:
+        """This, with how the peer's machine is unlike ``here`` (:func:`this_machine`)."""
+        return replace(self, differs=tuple(policy.differences(here, self.node)))
+
+
+#: what of a peer's ``GET /v1/node`` its row and JSON show
+_NODE_KEYS = ("hostname", "version", "arch", "kernel", "criu", "draining", "memory", "jobs")
+
+
+def this_machine(settings: Settings) -> dict[str, Any]:
+    """This machine as a peer sees it, for :func:`policy.peers.differences`: architecture and CRIU."""
+    try:
+        criu: str | None = Criu(settings.criu).info().version
+    except TorporError:
+        criu = None
+    return {"arch": platform.machine(), "criu": criu}
 
 
 def trust(peer: Peer) -> ssl.SSLContext | bool:
@@ -113,14 +135,14 @@ def ask(peer: Peer, timeout_s: float = policy.PEER_TIMEOUT_S) -> Seen:
 
 def cmd_peers(settings: Settings, args: argparse.Namespace) -> int:
     peers = Peers(Records(settings.db_path))
-    action: Callable[[Peers, argparse.Namespace], int] = {
+    action: Callable[[Peers, argparse.Namespace, Settings], int] = {
         "add": _add,
         "rm": _remove,
     }.get(args.peers_command or "ls", _list)
-    return action(peers, args)
+    return action(peers, args, settings)
 
 
-def _add(peers: Peers, args: argparse.Namespace) -> int:
+def _add(peers: Peers, args: argparse.Namespace, settings: Settings) -> int:
     check_name(args.peer, "peer")
     problem = policy.url_problem(args.url)
     if problem:
@@ -147,7 +169,7 @@ def _add(peers: Peers, args: argparse.Namespace) -> int:
     peer = Peer(args.peer, url, token, ca, time.time(), pin)
     seen = None
     if not args.no_check:
-        seen = ask(peer)
+        seen = ask(peer).compared(this_machine(settings))
         if seen.problem:
             raise EnvironmentProblem(
                 f"peer {peer.name} ({peer.url}): {seen.problem}; not added ('--no-check' adds it anyway)"
@@ -158,10 +180,14 @@ def _add(peers: Peers, args: argparse.Namespace) -> int:
     else:
         about = f": torpor {seen.node.get('version')} on {seen.node.get('hostname')}" if seen else ""
         print(f"added peer {peer.name} ({peer.url}){about}")
+        if seen and seen.differs:
+            print(
+                f"note: its machine is unlike this one ({'; '.join(seen.differs)}): jobs cannot move between them"
+            )
     return 0
 
 
-def _remove(peers: Peers, args: argparse.Namespace) -> int:
+def _remove(peers: Peers, args: argparse.Namespace, settings: Settings) -> int:
     if not peers.delete(args.peer):
         peers.get(args.peer)  # raises, naming the peers there are
     if args.json:
@@ -171,17 +197,20 @@ def _remove(peers: Peers, args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(peers: Peers, args: argparse.Namespace) -> int:
+def _list(peers: Peers, args: argparse.Namespace, settings: Settings) -> int:
     recorded = peers.all()
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(recorded)))) as pool:
-        seen = list(pool.map(ask, recorded))
+        asked = pool.map(ask, recorded)
+        here = this_machine(settings)
+        seen = [each.compared(here) for each in asked]
     if args.json:
         emit_json([each.to_dict() for each in seen])
         return 0
     if not seen:
         print("no peers: torpor peers add NAME https://HOST:PORT --token-file FILE [--ca-file FILE]")
         return 0
-    print(table(["PEER", "URL", "REACHABLE", "HOST", "VERSION", "FREE/BUDGET", "JOBS", "ADDED"], _rows(seen)))
+    headers = ["PEER", "URL", "REACHABLE", "HOST", "VERSION", "MACHINE", "FREE/BUDGET", "JOBS", "ADDED"]
+    print(table(headers, _rows(seen)))
     return 0
 
 
@@ -190,7 +219,7 @@ def _rows(seen: list[Seen]) -> list[list[str]]:
     for each in seen:
         added = human_age(time.time() - each.peer.added_at) + " ago"
         if each.problem:
-            rows.append([each.peer.name, each.peer.url, f"no: {each.problem}", "-", "-", "-", "-", added])
+            rows.append([each.peer.name, each.peer.url, f"no: {each.problem}", *["-"] * 5, added])
             continue
         memory = each.node.get("memory") or {}
         jobs = each.node.get("jobs") or {}
@@ -201,12 +230,20 @@ def _rows(seen: list[Seen]) -> list[list[str]]:
                 "yes, draining" if each.node.get("draining") else "yes",
                 str(each.node.get("hostname", "-")),
                 str(each.node.get("version", "-")),
+                _machine(each),
                 f"{human_bytes(memory.get('free'))}/{human_bytes(memory.get('budget'))}",
                 ", ".join(f"{n} {state}" for state, n in sorted(jobs.items())) or "none",
                 added,
             ]
         )
     return rows
+
+
+def _machine(seen: Seen) -> str:
+    """``x86_64, CRIU 4.2``, and how it is unlike this machine if it is."""
+    criu = seen.node.get("criu")
+    text = f"{seen.node.get('arch') or '?'}, {f'CRIU {criu}' if criu else 'no CRIU'}"
+    return text + (f" (unlike here: {'; '.join(seen.differs)})" if seen.differs else "")
 
 
 def _read_certificates(path: Path) -> str:
@@ -238,7 +275,10 @@ def add_parsers(sub: Any) -> None:
         "listed with why (docs/peers.md).",
     )
     peers_sub = peers.add_subparsers(dest="peers_command", metavar="SUBCOMMAND")
-    ls_help = "list the peers: reachable (or why not), host, torpor version, memory free and budget, jobs"
+    ls_help = (
+        "list the peers: reachable (or why not), host, torpor version, architecture and CRIU, memory free "
+        "and budget, jobs"
+    )
     listing = peers_sub.add_parser("ls", help=ls_help, description=ls_help + " (the default)")
     add_help = "record another machine's agent as peer NAME, once it answered with the token"
     adding = peers_sub.add_parser("add", help=add_help, description=add_help)

@@ -9,7 +9,9 @@ Pure: each function returns the problem as one line (the caller raises), or None
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from ipaddress import ip_address
+from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 #: seconds a call to a peer may take before the peer counts as unreachable (connecting included)
@@ -66,6 +68,18 @@ def fingerprint(text: str) -> str | None:
     if len(digits) != 64 or any(c not in "0123456789abcdef" for c in digits):
         return None
     return "sha256:" + digits
+
+
+def differences(here: Mapping[str, Any], there: Mapping[str, Any]) -> list[str]:
+    """How a peer's machine (``arch``, ``criu`` of its ``GET /v1/node``) is unlike this one, each as a few
+    words (``CRIU 4.1, here 4.2``): a job checkpointed on one restores on the other only with the same
+    architecture and CRIU. A value either side does not know is no difference."""
+    found = []
+    for key, what in (("arch", "arch"), ("criu", "CRIU")):
+        mine, its = here.get(key), there.get(key)
+        if mine and its and mine != its:
+            found.append(f"{what} {its}, here {mine}")
+    return found
 
 
 def base_url(url: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import queue
 import socket
 import threading
@@ -156,14 +157,22 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/node")
     def node() -> dict[str, Any]:
-        """What a peer asks of this node (``torpor peers``): its name, torpor's version, whether it drains,
-        its memory budget and what is free of it, and how many jobs it has in each state."""
+        """What a peer asks of this node (``torpor peers``): its name, torpor's version, the machine's
+        architecture, kernel and CRIU (None: none that works), whether it drains, its memory budget and
+        what is free of it, and how many jobs it has in each state."""
         states: dict[str, int] = {}
         for each in records.jobs():
             states[str(each.state)] = states.get(str(each.state), 0) + 1
+        try:
+            criu: str | None = engine.ctx.criu.info().version
+        except TorporError:
+            criu = None
         return {
             "hostname": socket.gethostname(),
             "version": __version__,
+            "arch": platform.machine(),
+            "kernel": platform.release(),
+            "criu": criu,
             "draining": agent.draining(),
             "memory": scheduling().memory(),
             "jobs": states,
