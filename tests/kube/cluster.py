@@ -72,13 +72,17 @@ class Cluster:
         """The objects as JSON ({} for none, with --ignore-not-found)."""
         return json.loads(self.kubectl("get", *what, "-o", "json") or "{}")
 
-    def wait_for(self, predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
+    def wait_for(
+        self, predicate: Any, timeout: float = 120, what: str = "condition", story: Any = None
+    ) -> Any:
+        """What ``predicate`` returns once it is true; on a timeout, an AssertionError with what
+        ``story()`` says (e.g. a pod's log and :meth:`story`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if found := predicate():
                 return found
             time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}")
+        raise AssertionError(f"timed out waiting for {what}" + (f"\n{story()}" if story else ""))
 
     def running_pod(self, namespace: str, name: str, not_uid: str | None = None) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:

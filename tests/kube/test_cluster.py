@@ -295,7 +295,10 @@ def test_a_training_pod_drained_mid_run_finishes_on_the_other_node_with_bit_iden
     cluster.apply(train)
     first = cluster.running_pod(namespace, "train-0")
     cluster.wait_for(
-        lambda: f"step {gate_step - 1} " in cluster.logs(namespace, "train-0"), timeout=180, what="the gate"
+        lambda: f"step {gate_step - 1} " in cluster.logs(namespace, "train-0"),
+        timeout=180,
+        what="the gate",
+        story=lambda: cluster.logs(namespace, "train-0")[-3000:] + cluster.story(namespace, "train-0"),
     )
     before = cluster.logs(namespace, "train-0")
     cluster.kubectl("uncordon", "node2")
