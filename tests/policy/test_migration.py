@@ -1,0 +1,55 @@
+"""policy.migration: a move is refused before the freeze, each reason one line naming what is wrong."""
+
+from __future__ import annotations
+
+from torpor.policy.migration import Job, Peer, refusals
+
+GIB = 2**30
+HERE = {"arch": "x86_64", "criu": "4.2"}
+NODE = {"arch": "x86_64", "criu": "4.2", "draining": False, "memory": {"free": 8 * GIB, "budget": 16 * GIB}}
+
+
+def test_a_job_that_runs_there_as_it_runs_here_may_move() -> None:
+    job = Job("web", 2 * GIB, read_files={"/srv/model.bin": (10, 5)}, listens=(8080,))
+    peer = Peer("b", None, NODE, stamps={"/srv/model.bin": (10, 5)}, ports_taken=(22,))
+    assert refusals(job, peer, HERE) == []
+
+
+def test_an_unreachable_peer_is_the_one_reason() -> None:
+    assert refusals(Job("j", 1), Peer("b", "cannot connect"), HERE) == [
+        "peer b cannot be asked: cannot connect"
+    ]
+
+
+def test_every_reason_is_given_at_once_each_naming_what_is_wrong() -> None:
+    job = Job(
+        "j",
+        12 * GIB,
+        read_files={"/a": (1, 1), "/b": (2, 2), "/c": (3, 3)},
+        listens=(80, 443),
+        connections=("10.0.0.2:5432 -> 10.0.0.9:40000",),
+        gpu=True,
+    )
+    node = {**NODE, "arch": "aarch64", "draining": True}
+    peer = Peer("b", None, node, stamps={"/a": (1, 1), "/b": (2, 9), "/c": None}, ports_taken=(443, 80))
+    assert refusals(job, peer, HERE) == [
+        "the job uses a GPU: moving a GPU job to another machine is not supported yet",
+        "peer b is draining",
+        "peer b has 8.0 GiB free of its budget, the job needs 12.0 GiB",
+        "the machines differ: arch aarch64, here x86_64",
+        "not on peer b: /c",
+        "not the same on peer b (size or modification time): /b",
+        "ports 80, 443 taken on peer b",
+        "established TCP connections cannot follow the job to another address: "
+        "10.0.0.2:5432 -> 10.0.0.9:40000 (--drop-connections resets them)",
+    ]
+
+
+def test_connections_may_be_dropped_when_the_user_says_so() -> None:
+    job = Job("j", 1, connections=("a -> b",))
+    assert refusals(job, Peer("b", None, NODE), HERE, drop_connections=True) == []
+
+
+def test_many_missing_files_are_named_three_and_counted() -> None:
+    job = Job("j", 1, read_files={f"/f{i}": (1, 1) for i in range(5)})
+    assert refusals(job, Peer("b", None, NODE), HERE) == ["not on peer b: /f0, /f1, /f2 and 2 more"]
