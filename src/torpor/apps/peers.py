@@ -1,9 +1,10 @@
 """``torpor peers``: the other machines' agents this one knows (docs/peers.md).
 
-``torpor peers add NAME URL --token-file F [--ca-file F]`` records a peer after asking it who it is (over
-TLS, the token in a header; clear text only on loopback: policy.peers), ``torpor peers [ls]`` asks each
-peer at once how it is, within a timeout, and ``torpor peers rm NAME`` forgets one. What is recorded (its
-token and the certificates it must chain to) is in the private state directory, never printed.
+``torpor peers add NAME URL --token-file F [--ca-file F | --fingerprint SHA256]`` records a peer after
+asking it who it is (over TLS, the token in a header; clear text only on loopback: policy.peers),
+``torpor peers [ls]`` asks each peer at once how it is, within a timeout, and ``torpor peers rm NAME``
+forgets one. What is recorded (its token, the certificates it must chain to or the one pinned) is in the
+private state directory, never printed.
 """
 
 from __future__ import annotations
