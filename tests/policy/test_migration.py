@@ -35,7 +35,7 @@ def test_every_reason_is_given_at_once_each_naming_what_is_wrong() -> None:
     assert refusals(job, peer, HERE) == [
         "the job uses a GPU: moving a GPU job to another machine is not supported yet",
         "peer b is draining",
-        "peer b has 8.0 GiB free of its budget, the job needs 12.0 GiB",
+        "peer b has 8G free of its budget, the job needs 12G",
         "the machines differ: arch aarch64, here x86_64",
         "not on peer b: /c",
         "not the same on peer b (size or modification time): /b",

@@ -46,7 +46,7 @@ def test_an_unreachable_or_draining_peer_takes_nothing() -> None:
     placement = place([Job("a", GIB), Job("b", GIB)], peers)
     assert placement.peer_of("a") == "ok"
     assert placement.peer_of("b") is None
-    assert placement.stays[0].reason == "no peer has 1.0 GiB free (the most: ok, 0.0 GiB)"
+    assert placement.stays[0].reason == "no peer has 1G free (the most: ok, 0)"
 
 
 def test_with_no_peer_able_to_take_jobs_every_job_stays_and_says_why() -> None:

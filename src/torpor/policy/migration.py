@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torpor.policy.peers import differences
+from torpor.policy.scheduler.sizes import format_size
 
 #: a file's stamp: its size and modification time (ns)
 Stamp = tuple[int, int]
@@ -66,7 +67,7 @@ def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bo
     free = (peer.node.get("memory") or {}).get("free")
     if isinstance(free, int) and free < job.memory:
         found.append(
-            f"peer {peer.name} has {_gib(free)} free of its budget, the job needs {_gib(job.memory)}"
+            f"peer {peer.name} has {format_size(free)} free of its budget, the job needs {format_size(job.memory)}"
         )
     found += [f"the machines differ: {each}" for each in differences(here, peer.node)]
     missing = sorted(path for path in job.read_files if peer.stamps.get(path) is None)
@@ -95,7 +96,3 @@ def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bo
 def _some(items: Sequence[str]) -> str:
     named = ", ".join(items[:_NAMED])
     return named + (f" and {len(items) - _NAMED} more" if len(items) > _NAMED else "")
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"

@@ -22,6 +22,8 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from torpor.policy.scheduler.sizes import format_size
+
 
 @dataclass(frozen=True)
 class Peer:
@@ -92,8 +94,4 @@ def _why_not(job: Job, takers: list[Peer], slots: list[tuple[int, int, str]]) ->
     if not takers:
         return "no peer can take jobs: none is reachable and not draining"
     free, _, name = slots[-1]
-    return f"no peer has {_gib(job.memory)} free (the most: {name}, {_gib(free)})"
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"
+    return f"no peer has {format_size(job.memory)} free (the most: {name}, {format_size(free)})"
