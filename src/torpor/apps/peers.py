@@ -69,12 +69,13 @@ _NODE_KEYS = ("hostname", "version", "arch", "kernel", "criu", "draining", "memo
 
 
 def this_machine(settings: Settings) -> dict[str, Any]:
-    """This machine as a peer sees it, for :func:`policy.peers.differences`: architecture and CRIU."""
+    """This machine as a peer sees it (``GET /v1/node`` says it; :func:`policy.peers.differences` compares
+    it): architecture, kernel and the CRIU version (None: none that works)."""
     try:
         criu: str | None = Criu(settings.criu).info().version
     except TorporError:
         criu = None
-    return {"arch": platform.machine(), "criu": criu}
+    return {"arch": platform.machine(), "kernel": platform.release(), "criu": criu}
 
 
 def trust(peer: Peer) -> ssl.SSLContext | bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import queue
 import socket
 import threading
@@ -29,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from torpor import __version__
+from torpor.apps import peers
 from torpor.apps.agent import care, metrics, web, wire
 from torpor.apps.agent.login import PageLogin
 from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
@@ -163,16 +163,10 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         states: dict[str, int] = {}
         for each in records.jobs():
             states[str(each.state)] = states.get(str(each.state), 0) + 1
-        try:
-            criu: str | None = engine.ctx.criu.info().version
-        except TorporError:
-            criu = None
         return {
             "hostname": socket.gethostname(),
             "version": __version__,
-            "arch": platform.machine(),
-            "kernel": platform.release(),
-            "criu": criu,
+            **peers.this_machine(agent.settings),
             "draining": agent.draining(),
             "memory": scheduling().memory(),
             "jobs": states,
