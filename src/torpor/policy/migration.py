@@ -70,14 +70,11 @@ def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bo
             f"peer {peer.name} has {format_size(free)} free of its budget, the job needs {format_size(job.memory)}"
         )
     found += [f"the machines differ: {each}" for each in differences(here, peer.node)]
-    missing = sorted(path for path in job.read_files if peer.stamps.get(path) is None)
+    there = {path: peer.stamps.get(path) for path in job.read_files}
+    missing = sorted(path for path, stamp in there.items() if stamp is None)
     if missing:
         found.append(f"not on peer {peer.name}: {_some(missing)}")
-    changed = sorted(
-        path
-        for path, stamp in job.read_files.items()
-        if peer.stamps.get(path) is not None and peer.stamps.get(path) != stamp
-    )
+    changed = sorted(path for path, stamp in there.items() if stamp not in (None, job.read_files[path]))
     if changed:
         found.append(f"not the same on peer {peer.name} (size or modification time): {_some(changed)}")
     taken = sorted(set(job.listens) & set(peer.ports_taken))
