@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import platform
 import ssl
 import time
 from collections.abc import Callable
@@ -21,11 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from torpor.adapters.criu import Criu
 from torpor.apps.agent import tokens
 from torpor.apps.render import emit_json, human_age, human_bytes, table
 from torpor.core.naming import check_name
-from torpor.core.peers import Peers
+from torpor.core.peers import Peers, this_machine
 from torpor.core.records import Records
 from torpor.core.recordtypes import Peer
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
@@ -66,16 +64,6 @@ class Seen:
 
 #: what of a peer's ``GET /v1/node`` its row and JSON show
 _NODE_KEYS = ("hostname", "version", "arch", "kernel", "criu", "draining", "memory", "jobs")
-
-
-def this_machine(settings: Settings) -> dict[str, Any]:
-    """This machine as a peer sees it (``GET /v1/node`` says it; :func:`policy.peers.differences` compares
-    it): architecture, kernel and the CRIU version (None: none that works)."""
-    try:
-        criu: str | None = Criu(settings.criu).info().version
-    except TorporError:
-        criu = None
-    return {"arch": platform.machine(), "kernel": platform.release(), "criu": criu}
 
 
 def trust(peer: Peer) -> ssl.SSLContext | bool:

@@ -1,14 +1,21 @@
 """Peers: other machines' agents this state directory may ask (``torpor peers add``).
 
 Their table is in :mod:`torpor.core.records`' schema; its token and CA are secrets of this state
-directory, as every row of torpor.db is. Asking a peer is :mod:`torpor.apps.peers`'.
+directory, as every row of torpor.db is. Asking a peer is :mod:`torpor.apps.peers`'. Here too is this
+machine as its peers see it (:func:`this_machine`: the agent's ``GET /v1/node`` says it, ``torpor peers``
+compares each peer with it).
 """
 
 from __future__ import annotations
 
+import platform
+from typing import Any
+
+from torpor.adapters.criu import Criu
 from torpor.core.records import Records
 from torpor.core.recordtypes import Peer
-from torpor.errors import UsageError
+from torpor.errors import TorporError, UsageError
+from torpor.settings import Settings
 
 
 class Peers:
@@ -58,3 +65,13 @@ class Peers:
                 return peer
         known = ", ".join(p.name for p in peers) or "none yet ('torpor peers add NAME URL ...')"
         raise UsageError(f"no peer named {name!r}; the peers are: {known}")
+
+
+def this_machine(settings: Settings) -> dict[str, Any]:
+    """This machine as a peer sees it (``GET /v1/node`` says it; :func:`policy.peers.differences` compares
+    it): architecture, kernel and the CRIU version (None: none that works)."""
+    try:
+        criu: str | None = Criu(settings.criu).info().version
+    except TorporError:
+        criu = None
+    return {"arch": platform.machine(), "kernel": platform.release(), "criu": criu}

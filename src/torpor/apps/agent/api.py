@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from torpor import __version__
-from torpor.apps import peers
 from torpor.apps.agent import care, metrics, web, wire
 from torpor.apps.agent.login import PageLogin
 from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
 from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
 from torpor.core.context import Progress
+from torpor.core.peers import this_machine
 from torpor.errors import CheckpointNotFound as NoCheckpoint
 from torpor.errors import JobNotFound, TorporError, UsageError, WrongState
 
@@ -166,7 +166,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         return {
             "hostname": socket.gethostname(),
             "version": __version__,
-            **peers.this_machine(agent.settings),
+            **this_machine(agent.settings),
             "draining": agent.draining(),
             "memory": scheduling().memory(),
             "jobs": states,
