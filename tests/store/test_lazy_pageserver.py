@@ -559,15 +559,16 @@ def test_a_corrupt_chunk_kills_the_lazily_restored_tree_before_it_sees_wrong_mem
         restore = restore_lazily(repo, checkpoint, tmp_path / "restore", restores)
     except RestoreFailed:
         # the bad chunk was asked for (by the daemon's background copy) while criu restore still ran:
-        # the tree, its root read from CRIU's pidfile, was killed before it ran, and so CRIU failed
+        # either the tree, its root read from CRIU's pidfile, was killed before it ran and so CRIU
+        # failed, or the daemon ended first and CRIU failed before writing its pidfile, killing the
+        # tree itself (CI saw both): no pid to wait for then, and the log below says the rest
         restore = restores[-1]
-        assert restore.killed is not None
     assert restore.server.wait(60)
     assert isinstance(restore.server.error, CorruptImage)
     assert restore.daemon.wait(timeout=60) != 0
     pid = restore.pid if restore.pid is not None else restore.killed
-    assert pid is not None
-    torpor.wait_for(lambda: _gone(pid), what="the restored tree to be killed")
+    if pid is not None:
+        torpor.wait_for(lambda: _gone(pid), what="the restored tree to be killed")
     # once no process has the log open, nothing can print to it: a digest printed before is there now
     log = torpor.home / "jobs" / "bad" / "output.log"
     torpor.wait_for(lambda: not holders(log), what="no process to hold the job's log")
