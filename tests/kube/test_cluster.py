@@ -528,6 +528,44 @@ def test_a_job_s_pod_annotated_to_hibernate_is_refused_with_a_warning(
     assert cluster.get("pod", "-n", namespace, name)["status"]["phase"] == "Running"
 
 
+def test_a_job_s_deleted_pod_is_hibernated_and_the_job_s_next_pod_resumes_it_instead_of_the_job_completing(
+    cluster: Cluster, namespace: str
+) -> None:
+    template = counter_statefulset(namespace, "batch")["spec"]["template"]
+    template["spec"]["restartPolicy"] = "Never"
+    cluster.apply(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "batch", "namespace": namespace},
+            "spec": {"backoffLimit": 4, "template": template},
+        }
+    )
+
+    def running_pod(but: str = "") -> str | None:
+        for pod in cluster.get("pods", "-n", namespace, "-l", "job-name=batch")["items"]:
+            live = pod["status"].get("phase") == "Running" and "deletionTimestamp" not in pod["metadata"]
+            if live and pod["metadata"]["name"] != but:
+                return str(pod["metadata"]["name"])
+        return None
+
+    first = cluster.wait_for(running_pod, what="the Job's pod")
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, first))) > 3, what="the job to count")
+    cluster.kubectl("delete", "pod", "-n", namespace, first, timeout=120)
+    second = cluster.wait_for(lambda: running_pod(but=first), what="the Job's next pod")
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, second)
+        return text if len(steps(text)) > 3 else None
+
+    log = cluster.wait_for(counting, what="the job to count in the Job's next pod")
+    assert "resumed its hibernated job" in log, log + cluster.story(namespace, second)
+    assert not cluster.get("job", "-n", namespace, "batch")["status"].get("succeeded")
+    (folder,) = (cluster.store / namespace).glob("job-batch*/main")
+    everything = steps((folder / "slot-0/jobs/main/output.log").read_text())
+    assert everything == list(range(len(everything)))  # one job, continued: none lost or repeated
+
+
 def test_the_manifests_are_valid_for_the_cluster(cluster: Cluster) -> None:
     manifests = ROOT / "deploy/kubernetes"
     bundle = base64.b64encode(cluster.certificate.read_bytes()).decode()

@@ -11,6 +11,7 @@ from torpor.policy.pod import (
     SlotView,
     Start,
     choose_slot,
+    exit_after_hibernation,
     grace_for,
     identity,
     mismatch,
@@ -155,3 +156,9 @@ def test_what_cannot_make_a_slot_s_s3_prefix_is_refused_saying_why(
 ) -> None:
     with pytest.raises(ValueError, match=why):
         slot_cold_tier(base, identity, 0)
+
+
+def test_a_job_s_hibernated_pod_exits_as_stopped_so_that_its_job_replaces_it_instead_of_ending() -> None:
+    assert exit_after_hibernation("Job/batch") == 143
+    for owner in ("", "StatefulSet/web", "ReplicaSet/web-5d8f", "DaemonSet/Job"):
+        assert exit_after_hibernation(owner) == 0

@@ -629,7 +629,7 @@ class Supervisor:
             return self._ended(engine, slot, job)
         if job.state != JobState.RUNNING:
             self.say(f"asked to stop; the job is still {job.state}")
-            return 143
+            return pod_policy.STOPPED_EXIT
         self.say("asked to stop: hibernating the job")
         slot.record(self.spec.pod, stopping_at=time.time())  # a replacement waits for it, to continue it
         try:
@@ -645,7 +645,7 @@ class Supervisor:
                 self.say(f"  {line}")
             with contextlib.suppress(TorporError):
                 engine.stop(name)
-            return 143
+            return pod_policy.STOPPED_EXIT
         slot.record(self.spec.pod, hibernated=checkpoint.id, hibernated_at=time.time())
         self.tell(
             "Hibernated",
@@ -653,7 +653,7 @@ class Supervisor:
             f"{checkpoint.size_bytes / 2**20:.0f} MiB",
         )
         self.report.checkpointed(checkpoint.created_at)
-        return 0
+        return pod_policy.exit_after_hibernation(self.spec.pod.owner)
 
     def _follow(self, engine: Engine, offset: int) -> None:
         """Copy the job's output from ``offset`` to our stdout while we run."""

@@ -167,6 +167,22 @@ def on_start(state: str | None, has_checkpoint: bool, ended: bool) -> Start:
     return Start.RECOVER if has_checkpoint else Start.COLD
 
 
+#: the exit status of a container stopped by SIGTERM, as a shell reports it (128 + 15)
+STOPPED_EXIT = 143
+
+
+def exit_after_hibernation(owner: str) -> int:
+    """The status the pod exits with once its job is hibernated, given its controller (``KIND/NAME``,
+    "" for a bare pod).
+
+    A Job's controller counts a pod that exits 0 as a completion: the Job would end, and no pod would
+    ever resume the hibernated job. Its pod exits :data:`STOPPED_EXIT` instead, a failure the Job
+    replaces with a new pod, which resumes it (each counts against the Job's ``backoffLimit``). Any
+    other pod exits 0: its controller replaces it whatever its status.
+    """
+    return STOPPED_EXIT if owner.split("/", 1)[0] == "Job" else 0
+
+
 def grace_for(requested_s: float | None, minimum_s: float) -> float:
     """The termination grace a pod gets: what it asked, or ``minimum_s`` where that is longer (the
     Kubernetes default, 30 s, when it asked nothing)."""
