@@ -142,6 +142,21 @@ CREATE TABLE IF NOT EXISTS peer_pins (
     name TEXT PRIMARY KEY REFERENCES peers(name) ON DELETE CASCADE,
     fingerprint TEXT NOT NULL
 );
+-- the hand-offs of jobs to and from peers (core/moves.py, policy/handoff.py): this side's record alone
+CREATE TABLE IF NOT EXISTS moves_out (
+    job TEXT PRIMARY KEY,
+    phase TEXT NOT NULL,
+    gen INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS moves_in (
+    job TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    gen INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
