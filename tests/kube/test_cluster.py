@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -558,8 +559,16 @@ def test_a_job_s_deleted_pod_is_hibernated_and_the_job_s_next_pod_resumes_it_ins
         text = cluster.logs(namespace, second)
         return text if len(steps(text)) > 3 else None
 
-    log = cluster.wait_for(counting, what="the job to count in the Job's next pod")
-    assert "resumed its hibernated job" in log, log + cluster.story(namespace, second)
+    cluster.wait_for(counting, what="the job to count in the Job's next pod")
+
+    def restored() -> list[dict[str, Any]]:
+        return [e for e in cluster.events(namespace, second) if e["reason"] == "Restored"]
+
+    # the event, not the log: once (CI) the log of a pod that had waited for the slot showed the job's
+    # output but not the supervisor's lines before it, its events did
+    story = partial(cluster.story, namespace, second)
+    (event,) = cluster.wait_for(restored, what="the Restored event", story=story)
+    assert "resumed its hibernated job" in event["message"]
     assert not cluster.get("job", "-n", namespace, "batch")["status"].get("succeeded")
     (folder,) = (cluster.store / namespace).glob("job-batch*/main")
     everything = steps((folder / "slot-0/jobs/main/output.log").read_text())
