@@ -499,19 +499,24 @@ def test_a_bare_pod_annotated_to_hibernate_is_deleted_and_created_again_when_the
     cluster.wait_for(lambda: not copy.exists(), what="the operator to drop its copy")
 
 
-def test_a_job_s_pod_annotated_to_hibernate_is_refused_with_a_warning(
-    cluster: Cluster, namespace: str
-) -> None:
-    template = counter_statefulset(namespace, "batch")["spec"]["template"]
+def counter_job(cluster: Cluster, namespace: str, name: str, backoff_limit: int) -> None:
+    """A Job of one counter pod (the counter StatefulSet's template, never restarted in place)."""
+    template = counter_statefulset(namespace, name)["spec"]["template"]
     template["spec"]["restartPolicy"] = "Never"
     cluster.apply(
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
-            "metadata": {"name": "batch", "namespace": namespace},
-            "spec": {"backoffLimit": 0, "template": template},
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"backoffLimit": backoff_limit, "template": template},
         }
     )
+
+
+def test_a_job_s_pod_annotated_to_hibernate_is_refused_with_a_warning(
+    cluster: Cluster, namespace: str
+) -> None:
+    counter_job(cluster, namespace, "batch", backoff_limit=0)
     name = cluster.wait_for(
         lambda: next(iter(cluster.get("pods", "-n", namespace, "-l", "job-name=batch")["items"]), None),
         what="the Job's pod",
@@ -532,16 +537,7 @@ def test_a_job_s_pod_annotated_to_hibernate_is_refused_with_a_warning(
 def test_a_job_s_deleted_pod_is_hibernated_and_the_job_s_next_pod_resumes_it_instead_of_the_job_completing(
     cluster: Cluster, namespace: str
 ) -> None:
-    template = counter_statefulset(namespace, "batch")["spec"]["template"]
-    template["spec"]["restartPolicy"] = "Never"
-    cluster.apply(
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": "batch", "namespace": namespace},
-            "spec": {"backoffLimit": 4, "template": template},
-        }
-    )
+    counter_job(cluster, namespace, "batch", backoff_limit=4)
 
     def running_pod(but: str = "") -> str | None:
         for pod in cluster.get("pods", "-n", namespace, "-l", "job-name=batch")["items"]:
