@@ -279,13 +279,19 @@ def test_a_corrupt_chunk_met_by_a_lazy_resume_kills_the_job_with_the_reason(
     hibernate_then_flip_a_memory_byte(torpor, hot, "z")
     digests = torpor.log("z").count("digest")
     result = torpor.run("resume", "z", "--lazy", check=False)
-    assert result.returncode == 5, result.stderr
-    assert "the lazily restored job 'z' was killed" in result.stderr
     assert "does not match its content hash" in result.stderr and "Traceback" not in result.stderr
-    assert torpor.job("z")["state"] == "failed"  # it said so once the job was gone
-    assert "lazy restore failed, the job was killed" in torpor.job("z")["message"]
-    assert "does not match its content hash" in torpor.job("z")["message"]
-    assert "z: lazy restore failed, the job was killed" in torpor.run("ps").stdout
+    if result.returncode == 6:
+        # the bad chunk was met while criu restore still ran (CI saw it): CRIU failed before the tree
+        # was handed over and killed it itself, so nothing ran and the job is as it was
+        assert "job 'z' stays hibernated; its checkpoints are untouched" in result.stderr
+        assert torpor.job("z")["state"] == "hibernated"
+    else:
+        assert result.returncode == 5, result.stderr
+        assert "the lazily restored job 'z' was killed" in result.stderr
+        assert torpor.job("z")["state"] == "failed"  # it said so once the job was gone
+        assert "lazy restore failed, the job was killed" in torpor.job("z")["message"]
+        assert "does not match its content hash" in torpor.job("z")["message"]
+        assert "z: lazy restore failed, the job was killed" in torpor.run("ps").stdout
     assert torpor.log("z").count("digest") == digests  # it never printed a digest of wrong memory
 
 
