@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Torpor, python_job
 from torpor.core.moves import Moves
 from torpor.core.records import Records
 from torpor.errors import UsageError
@@ -114,3 +115,46 @@ def _race(first: Callable[[], bool], second: Callable[[], bool]) -> tuple[bool, 
         thread.join()
     assert results[0] is not None and results[1] is not None
     return results[0], results[1]
+
+
+def test_a_job_that_goes_and_comes_back_takes_its_generation_along_and_is_held_where_it_is_not(
+    tmp_path: Path,
+) -> None:
+    a, b = moves(tmp_path / "a"), moves(tmp_path / "b")
+
+    def trip(source: Moves, peer: Moves, there: str, here: str) -> int:
+        gen = source.start("j", there)
+        assert (
+            source.held("j")
+            == f"job 'j' is being moved to peer {there}: it stays hibernated here unless that fails"
+        )
+        assert peer.arrived("j", gen, here)
+        assert (
+            peer.held("j")
+            == f"job 'j' is arriving from {here}: it is not this machine's until {here} hands it over"
+        )
+        assert source.commit("j")
+        assert peer.go("j", gen) == Action.RUN
+        assert source.acknowledged("j", gen).phase == Source.GONE
+        assert source.held("j") == f"job 'j' moved to peer {there}: it is that machine's now"
+        assert peer.held("j") is None
+        return gen
+
+    assert a.held("j") is None
+    assert [trip(a, b, "b", "a"), trip(b, a, "a", "b"), trip(a, b, "b", "a")] == [1, 2, 3]
+    assert not b.arrived("j", 1, "a")  # a late copy of the first trip's arrival is refused
+
+
+def test_a_job_held_by_a_move_is_not_resumed_and_is_once_the_move_is_aborted(torpor: Torpor) -> None:
+    torpor.run("run", "--name", "m", *python_job("counter.py"))
+    torpor.wait_log("m", "step 1")
+    torpor.run("hibernate", "m", "--wait")
+    source = Moves(Records(torpor.home / "torpor.db"))
+    source.start("m", "node2")
+    refused = torpor.run("resume", "m", check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "job 'm' is being moved to peer node2" in refused.stderr and "Traceback" not in refused.stderr
+    assert torpor.job("m")["state"] == "hibernated"
+    source.abort("m")
+    torpor.run("resume", "m")
+    assert torpor.job("m")["state"] == "running"

@@ -204,3 +204,34 @@ def test_late_messages_of_an_earlier_attempt_change_nothing() -> None:
     assert h.peer_on_abort(owned, 1) == (owned, Action.NOTHING)
     assert h.peer_on_arrival(owned, 1) is None
     assert h.source_on_ack(SourceRecord(Source.COMMITTED, 2), 1) == SourceRecord(Source.COMMITTED, 2)
+
+
+def test_a_job_that_came_back_is_here_again_and_its_next_move_is_of_a_later_generation() -> None:
+    gone = SourceRecord(Source.GONE, 1)  # it left for the peer in generation 1...
+    back = PeerRecord(Incoming.OWNED, 2)  # ...and came back in generation 2
+    assert h.current(gone, back) == SourceRecord(Source.HERE, 2)
+    assert h.held(gone, back) is None
+    assert h.source_start(h.current(gone, back)) == SourceRecord(Source.MOVING, 3)
+    # an older arrival, or one owned before the job left again, changes nothing
+    assert h.current(SourceRecord(Source.GONE, 3), back) == SourceRecord(Source.GONE, 3)
+    assert h.held(SourceRecord(Source.GONE, 3), back) == h.Held.MOVED
+
+
+@pytest.mark.parametrize(
+    ("outgoing", "incoming", "why"),
+    [
+        (SourceRecord(), PeerRecord(), None),
+        (SourceRecord(Source.HERE, 1), PeerRecord(), None),  # a move aborted
+        (SourceRecord(Source.MOVING, 1), PeerRecord(), h.Held.MOVING),
+        (SourceRecord(Source.COMMITTED, 1), PeerRecord(), h.Held.MOVED),
+        (SourceRecord(Source.GONE, 1), PeerRecord(), h.Held.MOVED),
+        (SourceRecord(), PeerRecord(Incoming.ARRIVING, 1), h.Held.ARRIVING),
+        (SourceRecord(Source.GONE, 1), PeerRecord(Incoming.ARRIVING, 2), h.Held.ARRIVING),  # coming back
+        (SourceRecord(), PeerRecord(Incoming.OWNED, 1), None),
+        (SourceRecord(), PeerRecord(Incoming.NONE, 1), None),  # dropped: the source kept it
+    ],
+)
+def test_a_machine_may_run_a_job_only_when_neither_of_its_records_holds_it(
+    outgoing: SourceRecord, incoming: PeerRecord, why: h.Held | None
+) -> None:
+    assert h.held(outgoing, incoming) == why

@@ -29,6 +29,7 @@ from torpor.core.jobnetworks import Networks
 from torpor.core.launcher.protocol import LaunchMode, LaunchSpec, PendingLauncher
 from torpor.core.launcher.release import fetch_and_release
 from torpor.core.launcher.spawn import start_launcher
+from torpor.core.moves import Moves
 from torpor.core.naming import check_name, free_name, name_from_command
 from torpor.core.recordtypes import (
     LIVE_STATES,
@@ -365,6 +366,7 @@ class Engine:
         ``warn`` is told what a rollback cannot bring back (files the job maps shared).
         """
         job = self.reconcile(self.records.job(name))
+        Moves(self.records).refuse_if_held(job.name)  # handed to a peer, or not handed here yet
         self.refuse_if_draining(f"restore '{name}'")
         checkpoint = (
             self.records.find_checkpoint(job.name, ref)

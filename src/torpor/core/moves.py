@@ -6,8 +6,9 @@ wrote, whatever was killed in between.
 generation, the peer); ``moves_in`` the peer's record of a job coming to it (:class:`~torpor.policy.
 handoff.Incoming`, the generation, the source). Each method reads the record, applies the policy's
 function and writes what it returns before it returns: an answer (to a peer's question, above all) is
-never given before the record it depends on is written. ``torpor migrate``, which is to act on these,
-is not built yet (issue 30).
+never given before the record it depends on is written. Every restore asks :meth:`Moves.refuse_if_held`
+first, so that a job handed away, or not handed here yet, is never resumed here; ``torpor migrate``,
+which is to write these, is not built yet (issue 30).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from torpor.core.records import Records
-from torpor.errors import UsageError
+from torpor.errors import UsageError, WrongState
 from torpor.policy import handoff
 from torpor.policy.handoff import Action, Incoming, PeerRecord, Source, SourceRecord
 
@@ -44,6 +45,7 @@ class Moves:
         is returned. UsageError while another move of it is under way."""
         with self.records.transaction() as db:
             record, there = _outgoing(db, job)
+            record = handoff.current(record, _incoming(db, job)[0])  # a job that came back is here
             moving = handoff.source_start(record)
             if moving is None and record.phase == Source.GONE:
                 raise UsageError(f"job '{job}' moved to peer {there}: it is that machine's now")
@@ -51,6 +53,29 @@ class Moves:
                 raise UsageError(f"job '{job}' is being moved to peer {there} already")
             _write_out(db, job, moving, peer)
             return moving.gen
+
+    def held(self, job: str) -> str | None:
+        """Why this machine may not run ``job`` now, one line (None: it may): it is being moved, it moved,
+        or it is arriving and not handed over yet (:func:`torpor.policy.handoff.held`)."""
+        with self.records.transaction() as db:
+            (outgoing, peer), (incoming, source) = _outgoing(db, job), _incoming(db, job)
+        why = handoff.held(outgoing, incoming)
+        if why == handoff.Held.MOVING:
+            return f"job '{job}' is being moved to peer {peer}: it stays hibernated here unless that fails"
+        if why == handoff.Held.MOVED:
+            return f"job '{job}' moved to peer {peer}: it is that machine's now"
+        if why == handoff.Held.ARRIVING:
+            return (
+                f"job '{job}' is arriving from {source}: it is not this machine's until {source} "
+                "hands it over"
+            )
+        return None
+
+    def refuse_if_held(self, job: str) -> None:
+        """WrongState saying :meth:`held`'s reason, if there is one."""
+        why = self.held(job)
+        if why is not None:
+            raise WrongState(why)
 
     def commit(self, job: str) -> bool:
         """Step 3: whether the move is committed now (False: it was aborted before)."""

@@ -82,6 +82,36 @@ def source_may_resume(record: SourceRecord) -> bool:
     return record.phase == Source.HERE
 
 
+def current(outgoing: SourceRecord, incoming: PeerRecord) -> SourceRecord:
+    """This machine's record of a job as a source, given both of its records of it: a job that came back
+    (owned here in a later generation than the move that took it away) is this machine's again, and its
+    next move is of a generation above both. The generation travels with the job that way, so that a
+    late message of an earlier trip is never taken for one of this trip."""
+    if incoming.state == Incoming.OWNED and incoming.gen > outgoing.gen:
+        return SourceRecord(Source.HERE, incoming.gen)
+    return outgoing
+
+
+class Held(StrEnum):
+    """Why this machine may not run a job it has a record of (see :func:`held`)."""
+
+    MOVING = "moving"  # it hands the job to a peer: not resumed here until that is aborted
+    MOVED = "moved"  # committed or gone to a peer: the peer's now
+    ARRIVING = "arriving"  # its image came from a source, which has not handed it over yet
+
+
+def held(outgoing: SourceRecord, incoming: PeerRecord) -> Held | None:
+    """Why this machine may not run (resume, restore) the job, from its two records; None: it may."""
+    if incoming.state == Incoming.ARRIVING and incoming.gen > outgoing.gen:
+        return Held.ARRIVING
+    record = current(outgoing, incoming)
+    if record.phase == Source.MOVING:
+        return Held.MOVING
+    if record.phase in (Source.COMMITTED, Source.GONE):
+        return Held.MOVED
+    return None
+
+
 def peer_may_run(record: PeerRecord) -> bool:
     """Whether the peer may run the job."""
     return record.state == Incoming.OWNED

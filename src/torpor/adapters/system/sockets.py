@@ -1,5 +1,5 @@
 """The sockets processes hold, as /proc shows them: unix sockets and who holds one, the TCP addresses a job
-listens on, whether it holds TCP sockets at all, who listens on a port.
+listens on and its established connections, whether it holds TCP sockets at all, who listens on a port.
 """
 
 from __future__ import annotations
@@ -97,12 +97,47 @@ def _tcp_listening(pid: int) -> dict[int, TcpAddress]:
         for row in rows:
             if len(row) < 10 or row[3] != _TCP_LISTEN:
                 continue
-            hex_host, hex_port = row[1].split(":")
-            raw = b"".join(
-                int(hex_host[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_host), 8)
-            )
-            found[int(row[9])] = TcpAddress(str(ipaddress.ip_address(raw)), int(hex_port, 16))
+            found[int(row[9])] = _hex_address(row[1])
     return found
+
+
+_TCP_ESTABLISHED = "01"
+
+
+def _hex_address(text: str) -> TcpAddress:
+    """``0100007F:1F90`` as ``/proc/net/tcp{,6}`` prints an address: the kernel's 32-bit words in host byte
+    order, then the port."""
+    hex_host, hex_port = text.split(":")
+    raw = b"".join(
+        int(hex_host[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_host), 8)
+    )
+    return TcpAddress(str(ipaddress.ip_address(raw)), int(hex_port, 16))
+
+
+def _tcp_established(pid: int) -> dict[int, str]:
+    """The established TCP connections (v4 and v6) of ``pid``'s network namespace, by inode, each as
+    ``LOCAL -> REMOTE``."""
+    found: dict[int, str] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as lines:
+                next(lines, None)  # the header
+                rows = [line.split() for line in lines]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) >= 10 and row[3] == _TCP_ESTABLISHED:
+                found[int(row[9])] = f"{_hex_address(row[1])} -> {_hex_address(row[2])}"
+    return found
+
+
+def established_connections(pids: list[int]) -> list[str]:
+    """The established TCP connections ``pids`` hold, ``LOCAL -> REMOTE`` each, sorted, once each: what
+    cannot follow a job to another machine's address. A process gone meanwhile is left out."""
+    found: set[str] = set()
+    for inodes, table in _with_tcp_table(pids, _tcp_established):
+        found.update(table[inode] for inode in inodes if inode in table)
+    return sorted(found)
 
 
 def _net_namespace(pid: int) -> str | None:
