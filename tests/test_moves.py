@@ -145,6 +145,7 @@ def test_a_job_that_goes_and_comes_back_takes_its_generation_along_and_is_held_w
     assert not b.arrived("j", 1, "a")  # a late copy of the first trip's arrival is refused
 
 
+@pytest.mark.criu
 def test_a_job_held_by_a_move_is_not_resumed_and_is_once_the_move_is_aborted(torpor: Torpor) -> None:
     torpor.run("run", "--name", "m", *python_job("counter.py"))
     torpor.wait_log("m", "step 1")

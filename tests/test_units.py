@@ -272,6 +272,8 @@ def test_a_time_reads_as_local_time_and_an_age() -> None:
         "rm",
         "doctor",
         "store",
+        "peers",
+        "migrate",
     ],
 )
 def test_every_command_has_help(command: str) -> None:

@@ -12,8 +12,10 @@ import ipaddress
 import json
 import os
 import random
+import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from conftest import TORPOR, Torpor, free_port
+from conftest import TORPOR, Torpor, free_port, python_job
 from torpor.adapters import jobnet
 from torpor.policy.addresses import overlapping
 
@@ -415,3 +417,80 @@ def test_a_bad_fingerprint_or_two_ways_of_trust_are_usage_errors(
         check=False,
     )
     assert clear.returncode == 2 and "--fingerprint goes with an https:// URL" in clear.stderr
+
+
+SERVER_JOB = """\
+import socket, sys, time
+data = open(sys.argv[1], "rb")  # read on, never written
+listener = socket.socket()
+listener.bind(("127.0.0.1", int(sys.argv[2])))
+listener.listen()
+connection = socket.create_connection(("127.0.0.1", int(sys.argv[3])))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow  # a peer's agent and two jobs
+def test_migrate_check_asks_the_peer_and_names_what_stops_a_move_before_anything_is_frozen(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    token = secret(tmp_path / "token")
+    port = free_port()
+    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    remote = socket.create_server(("127.0.0.1", 0))  # what the job keeps a connection to
+    try:
+        peer.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "1G")
+        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
+        anyone = httpx.post(f"http://127.0.0.1:{port}/v1/arrivals/look", json={"paths": ["/etc/shadow"]})
+        assert anyone.status_code == 401  # what a peer may ask needs its token too
+        torpor.run("run", "--name", "plain", *python_job("counter.py"))
+        (tmp_path / "data.bin").write_bytes(b"x" * 4096)
+        (tmp_path / "server.py").write_text(SERVER_JOB)
+        listens = free_port()
+        torpor.run(
+            "run", "--name", "srv", "--", sys.executable, "-u", str(tmp_path / "server.py"),
+            str(tmp_path / "data.bin"), str(listens), str(remote.getsockname()[1]),
+        )  # fmt: skip
+        torpor.wait_log("plain", "step 1")
+        torpor.wait_log("srv", "ready")
+
+        fits = torpor.run("migrate", "plain", "--to", "b", "--check")
+        assert "job 'plain' could move to peer b:" in fits.stdout, fits.stdout
+        report = torpor.json("migrate", "plain", "--to", "b", "--check")
+        assert report["may_move"] is True and report["refusals"] == [] and report["memory"] > 0
+        assert report["read_files"] >= 1  # the interpreter, at least: the same file on the peer
+
+        refused = torpor.run("migrate", "srv", "--to", "b", "--check", check=False)
+        assert refused.returncode == 3 and "job 'srv' cannot move to peer b" in refused.stderr
+        # the peer here shares this network namespace: the job's own port is taken there
+        assert f"port {listens} taken on peer b" in refused.stderr
+        assert (
+            "established TCP connections cannot follow the job to another address: 127.0.0.1:"
+            in refused.stderr
+        )
+        assert (
+            f"-> 127.0.0.1:{remote.getsockname()[1]}" in refused.stderr and "Traceback" not in refused.stderr
+        )
+        dropping = torpor.run(
+            "migrate", "srv", "--to", "b", "--check", "--drop-connections", "--json", check=False
+        )
+        assert dropping.returncode == 3
+        assert json.loads(dropping.stdout)["refusals"] == [f"port {listens} taken on peer b"]
+        assert torpor.job("srv")["state"] == "running" and torpor.job("plain")["state"] == "running"
+
+        not_built = torpor.run("migrate", "plain", "--to", "b", check=False)
+        assert not_built.returncode == 2 and "not built yet" in not_built.stderr
+        unknown = torpor.run("migrate", "plain", "--to", "nowhere", "--check", check=False)
+        assert unknown.returncode == 2 and "no peer named 'nowhere'" in unknown.stderr
+
+        peer.stop()
+        gone = torpor.run("migrate", "plain", "--to", "b", "--check", check=False)
+        assert gone.returncode == 3 and "peer b cannot be asked: cannot connect" in gone.stderr
+        assert torpor.job("plain")["state"] == "running"
+    finally:
+        remote.close()
+        peer.close()
+        for job in ("plain", "srv"):
+            torpor.run("rm", "--force", job, check=False)

@@ -17,6 +17,7 @@ from typing import Any
 from torpor import __version__
 from torpor.adapters.system import private
 from torpor.apps import machine, slurm, templates
+from torpor.apps import migrate as migrate_app
 from torpor.apps import peers as peers_app
 from torpor.apps import pod as pod_app
 from torpor.apps.agent import commands as agent_commands
@@ -447,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     pod_app.add_parsers(sub, add)
     agent_commands.add_parsers(sub, add)
     peers_app.add_parsers(sub)
+    migrate_app.add_parser(sub)
     scheduler_commands.add_scheduling_parsers(sub, add)
     slurm.add_parser(sub)
     return parser

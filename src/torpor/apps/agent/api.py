@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from torpor import __version__
-from torpor.apps.agent import care, metrics, web, wire
+from torpor.apps.agent import arrivals, care, metrics, web, wire
 from torpor.apps.agent.login import PageLogin
 from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
 from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
@@ -341,6 +341,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         report = agent.last_evacuation
         return report.to_dict() if report else None
 
+    arrivals.add_routes(app)
     metrics.add_routes(app, lambda: engine, records.events)
     web.add_routes(
         app,

@@ -129,6 +129,11 @@ class AgentClient:
             raise EnvironmentProblem(f"the agent stopped answering ({exc})") from None
         raise EnvironmentProblem("the agent ended its answer without a result")
 
+    def look(self, paths: list[str], ports: list[int]) -> dict[str, Any]:
+        """The stamps of ``paths`` on the agent's machine and which of ``ports`` are taken there
+        (``POST /v1/arrivals/look``)."""
+        return dict(self._json("POST", "/v1/arrivals/look", json={"paths": paths, "ports": ports}))
+
     def health(self) -> dict[str, Any]:
         return dict(self._json("GET", "/v1/health"))
 
