@@ -22,6 +22,7 @@ knows how images are kept. Modules, bottom up (one activity each, as in borg/bor
     hot.py          the hot tier in RAM
     destager.py     the background process between the two
     lazy.py         a checkpoint's memory served page by page, for lazy restores
+    transfer.py     a checkpoint sent to another store (another key): only the chunks it lacks
     tiered.py       the ImageStore the engine uses
 """
 
