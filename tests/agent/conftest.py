@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,19 @@ class AgentProcess:
                 self.process.kill()
                 self.process.wait()
         self.api.close()
+
+
+@pytest.fixture
+def other(tmp_path: Path) -> Iterator[Torpor]:
+    """A second state directory: a peer's (tests/agent/test_peers.py, test_migrate.py)."""
+    home = tmp_path / "peer-home"
+    env = {
+        **os.environ,
+        "TORPOR_HOME": str(home),
+        "TORPOR_HOT_DIR": f"/dev/shm/torpor-test-{uuid.uuid4().hex[:8]}",
+    }
+    yield Torpor(home, env)
+    subprocess.run(["rm", "-rf", env["TORPOR_HOT_DIR"]], check=False)
 
 
 @pytest.fixture

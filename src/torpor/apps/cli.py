@@ -26,6 +26,7 @@ from torpor.apps.agent.locate import answers, socket_path
 from torpor.apps.agent.wire import SCHEDULER_CAUSES, scheduling_fields, status_to_dict
 from torpor.apps.render import emit_json, human_age, human_bytes, progress, size_or_dash, table
 from torpor.core.engine import Engine, JobStatus
+from torpor.core.moves import Moves
 from torpor.core.recordtypes import SUPERVISED_STATES, Checkpoint, JobState
 from torpor.errors import TorporError
 from torpor.policy import torchrun
@@ -76,6 +77,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     submissions = engine.records.submissions()
     cares = engine.records.cares()
     origins = templates.origins(engine)
+    moved = Moves(engine.records).moved()  # handed to a peer: 'moved to PEER'
     if args.json:
         emit_json(
             [
@@ -83,6 +85,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
                     **_status_dict(s),
                     **scheduling_fields(submissions.get(s.job.name), cares.get(s.job.name), engine.records),
                     **templates.origin_fields(origins.get(s.job.name)),
+                    "moved_to": moved.get(s.job.name),
                 }
                 for s in statuses
             ]
@@ -92,7 +95,7 @@ def cmd_ps(engine: Engine, args: argparse.Namespace) -> int:
     rows = []
     for status in statuses:
         job = status.job
-        state = str(job.state)
+        state = f"moved to {moved[job.name]}" if job.name in moved else str(job.state)
         if job.exit_code is not None and job.state in (JobState.EXITED, JobState.FAILED):
             state += f" ({job.exit_code})"
         last = status.last_checkpoint

@@ -1,33 +1,76 @@
-"""``torpor migrate NAME --to PEER --check``: whether a running job could move to a peer, asked before
-anything is frozen (issue 30, part 4; docs/peers.md). The job's facts come from /proc here
+"""``torpor migrate NAME --to PEER``: a running job moved to a peer (issue 30; docs/peers.md).
+
+First whether it may move, asked before anything is frozen: the job's facts come from /proc here
 (:func:`torpor.core.migrate.job_facts`), the peer's from its agent (``GET /v1/node``, ``POST
-/v1/arrivals/look``), the verdict from :func:`torpor.policy.migration.refusals`. Moving the job is not
-built yet: without ``--check`` the command says so and changes nothing.
+/v1/arrivals/look``), the verdict from :func:`torpor.policy.migration.refusals`; ``--check`` stops
+there. Then :func:`torpor.core.migrate.move` hands it over, through :class:`PeerAgent`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import socket
 from typing import Any
 
 from torpor.apps import peers as peers_app
-from torpor.apps.render import emit_json, human_bytes
+from torpor.apps.render import emit_json, human_bytes, progress
 from torpor.core.engine import Engine
-from torpor.core.migrate import job_facts
+from torpor.core.migrate import Moved, carry_on, job_facts, move, moving
 from torpor.core.peers import Peers, this_machine
-from torpor.errors import EnvironmentProblem, TorporError, UsageError
+from torpor.core.recordtypes import Peer
+from torpor.errors import EnvironmentProblem, TorporError
 from torpor.policy import migration
 
-NOT_BUILT = (
-    "moving a job to another machine is not built yet (issue 30); 'torpor migrate NAME --to PEER --check' "
-    "says whether it could move, and why not"
-)
+
+class PeerAgent:
+    """:class:`torpor.core.migrate.PeerLink` over the peer's API (its token, its certificate)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.name = peer.name
+        self.client = peers_app.client_of(peer, timeout_s=TRANSFER_TIMEOUT_S)
+        self.source = socket.gethostname()
+
+    def missing(self, job: str, chunks: list[str]) -> list[str]:
+        return [
+            str(c) for c in self.client.arrival("POST", job, "missing", json={"chunks": chunks})["missing"]
+        ]
+
+    def send_chunks(self, job: str, body: bytes) -> None:
+        self.client.arrival("POST", job, "chunks", content=body, headers=_BINARY)
+
+    def send_log(self, job: str, data: bytes) -> None:
+        self.client.arrival("PUT", job, "log", content=data, headers=_BINARY)
+
+    def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None:
+        self.client.arrival("POST", job, json={"gen": gen, "source": self.source, "spec": spec})
+
+    def go(self, job: str, gen: int, resume: bool, lazy: bool) -> dict[str, Any]:
+        return dict(self.client.arrival("POST", job, "go", json={"gen": gen, "resume": resume, "lazy": lazy}))
+
+    def abort(self, job: str, gen: int) -> None:
+        self.client.arrival("POST", job, "abort", json={"gen": gen})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+#: how long one call of a move may take (a batch of chunks over a slow link, a restore there)
+TRANSFER_TIMEOUT_S = 300.0
+_BINARY = {"Content-Type": "application/octet-stream"}
 
 
 def cmd_migrate(engine: Engine, args: argparse.Namespace) -> int:
-    if not args.check:
-        raise UsageError(NOT_BUILT)
     peer = Peers(engine.records).get(args.to)
+    if not args.check:
+        with moving(engine, args.name):
+            link = PeerAgent(peer)
+            try:
+                finished = carry_on(engine, args.name, link, lazy=args.lazy)
+            finally:
+                link.close()
+        if finished is not None:
+            return _said(finished, args)
     job = job_facts(engine, args.name)
     seen = peers_app.ask(peer)
     peer_facts = migration.Peer(peer.name, seen.problem, seen.node)
@@ -47,6 +90,10 @@ def cmd_migrate(engine: Engine, args: argparse.Namespace) -> int:
         finally:
             client.close()
     refusals = migration.refusals(job, peer_facts, this_machine(engine.settings), args.drop_connections)
+    if not args.check:
+        if refusals:
+            raise EnvironmentProblem(f"job '{job.name}' cannot move to peer {peer.name}", details=refusals)
+        return _move(engine, args, peer)
     if args.json:
         emit_json(_report(job, peer.name, refusals))
         return EnvironmentProblem.exit_code if refusals else 0
@@ -58,6 +105,29 @@ def cmd_migrate(engine: Engine, args: argparse.Namespace) -> int:
         + (f", its ports {', '.join(map(str, job.listens))} are free" if job.listens else "")
         + (f"; {len(job.connections)} connection(s) would be reset" if job.connections else "")
     )
+    return 0
+
+
+def _move(engine: Engine, args: argparse.Namespace, peer: Peer) -> int:
+    link = PeerAgent(peer)
+    try:
+        with moving(engine, args.name):
+            done = move(engine, args.name, link, lazy=args.lazy, progress=progress(args))
+    finally:
+        link.close()
+    return _said(done, args)
+
+
+def _said(done: Moved, args: argparse.Namespace) -> int:
+    sent = sum(r["bytes"] for r in done.rounds)
+    if args.json:
+        emit_json(dataclasses.asdict(done) | {"sent_bytes": sent})
+    else:
+        print(
+            f"moved job '{done.job}' to peer {done.peer}: {human_bytes(sent)} sent in {len(done.rounds)} "
+            f"round(s), stopped {done.stopped_s:.2f} s"
+            + ("" if done.answer.get("restored") else "; it is hibernated there")
+        )
     return 0
 
 
@@ -78,8 +148,9 @@ def _report(job: migration.Job, peer: str, refusals: list[str]) -> dict[str, Any
 def add_parser(sub: Any) -> None:
     """``torpor migrate``."""
     text = (
-        "check whether a running job could move to a peer (--check): room, architecture and CRIU, its "
-        "files, its ports, its connections; moving it is not built yet"
+        "move a running job to a peer, where it resumes under its name with its checkpoints, policy and "
+        "log; first checked (room, architecture and CRIU, its files, its ports, its connections), and "
+        "with --check only that"
     )
     parser = sub.add_parser("migrate", help=text, description=text + " (docs/peers.md).")
     parser.add_argument("name", metavar="NAME", help="the job")
@@ -92,5 +163,11 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="let the job's established TCP connections be reset: they cannot follow it to another address",
     )
+    parser.add_argument(
+        "--lazy",
+        action="store_true",
+        help="the peer resumes it before all of its memory is in (as resume --lazy)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(func=cmd_migrate)

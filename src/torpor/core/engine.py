@@ -440,7 +440,7 @@ class Engine:
                 progress,
                 prepare,
                 lazy=lazy,
-                copy_of=None if template is None else template.log_path,
+                copy_of=template.log_path if template else Moves(self.records).image_log(checkpoint.id),
                 net_namespace=None if net is None else str(net),
                 net_external=net is not None if template is None else template.own_network,
             )

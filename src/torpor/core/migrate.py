@@ -1,20 +1,35 @@
 """What a move of a job to a peer needs to know before the job is frozen (issue 30, part 4), on both
 sides: :func:`job_facts` on the source, from /proc of the running tree, and :func:`look` on the peer,
 which the source asks through ``POST /v1/arrivals/look``; :func:`torpor.policy.migration.refusals`
-decides from both. Moving the job itself (``torpor migrate`` without ``--check``) is not built yet.
+decides from both. Then :func:`move` hands the job over (the peer's side is
+:mod:`torpor.core.arrivals`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import json
 import os
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 from torpor.adapters.gpu import NVIDIA_DEVICE_PREFIX
-from torpor.adapters.system import procfs, sockets
+from torpor.adapters.system import private, procfs, sockets
+from torpor.core.context import Progress, quiet
 from torpor.core.engine import Engine
-from torpor.core.recordtypes import JobState
-from torpor.errors import WrongState
+from torpor.core.moves import Moves
+from torpor.core.naming import check_name
+from torpor.core.recordtypes import Checkpoint, JobName, JobState
+from torpor.core.rewind import STOPPED_FILE
+from torpor.core.store import TieredStore, transfer
+from torpor.core.store.repository import Repository
+from torpor.errors import EnvironmentProblem, TorporError, WrongState
+from torpor.policy.handoff import Source
 from torpor.policy.migration import Job, Stamp
 
 #: what a peer is asked about at most (a job with more open files is unusual; the rest are not compared)
@@ -67,3 +82,216 @@ def look(paths: list[str], ports: list[int]) -> dict[str, Any]:
         "stamps": {path: list(stamp) if stamp else None for path, stamp in stamps(paths).items()},
         "ports_taken": taken,
     }
+
+
+# -- the move ---------------------------------------------------------------------------------------------
+
+
+class PeerLink(Protocol):
+    """The peer's agent, as the source calls it (``/v1/arrivals``): each call raises a TorporError when
+    the peer refuses or cannot be reached."""
+
+    name: str
+
+    def missing(self, job: str, chunks: list[str]) -> list[str]: ...
+    def send_chunks(self, job: str, body: bytes) -> None: ...
+    def send_log(self, job: str, data: bytes) -> None: ...
+    def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None: ...
+    def go(self, job: str, gen: int, resume: bool, lazy: bool) -> dict[str, Any]: ...
+    def abort(self, job: str, gen: int) -> None: ...
+
+
+#: at most this many bytes of chunks in one request
+BATCH_BYTES = 32 << 20
+
+
+@dataclass
+class Moved:
+    """What a move did: the generation, the chunks and bytes sent in each round, how long the job was
+    stopped here (from its hibernation to the peer's answer to *go*), and the peer's answer."""
+
+    job: str
+    peer: str
+    gen: int = 0
+    rounds: list[dict[str, int]] = field(default_factory=list)
+    stopped_s: float = 0.0
+    answer: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def moving(engine: Engine, name: str) -> Iterator[None]:
+    """Held while this process moves ``name``: one move of a job at a time, and a record left by a
+    move whose process is gone (killed) is known for one by holding this."""
+    folder = engine.settings.run_dir
+    private.make_private_dirs(folder)
+    fd = private.open_private(folder / f"move-{check_name(name)}.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WrongState(f"job '{name}' is being moved by another 'torpor migrate'") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def carry_on(engine: Engine, name: str, link: PeerLink, lazy: bool = False) -> Moved | None:
+    """What a move of ``name`` that was cut off (its process killed, the peer unreachable) left: hand
+    over a committed one (None if there was none to finish); abort one that was not committed, so that
+    the job resumes here and may be moved afresh. Call it holding :func:`moving`."""
+    moves = Moves(engine.records)
+    record, peer = moves.outgoing(name)
+    if record.phase == Source.MOVING:
+        _abort(engine, moves, _Named(link, peer), name, record.gen, None)
+        return None
+    if record.phase != Source.COMMITTED:
+        return None
+    if peer != link.name:
+        raise WrongState(
+            f"job '{name}' was handed to peer {peer}: 'torpor migrate {name} --to {peer}' finishes that"
+        )
+    done = Moved(name, peer, record.gen)
+    done.answer = link.go(name, record.gen, resume=True, lazy=lazy)
+    finish(engine, name, record.gen, peer)
+    return done
+
+
+@dataclass
+class _Named:
+    """``link``, or nothing if the record names another peer (an abort it cannot be told of)."""
+
+    link: PeerLink
+    peer: str
+
+    def abort(self, job: str, gen: int) -> None:
+        if self.peer == self.link.name:
+            self.link.abort(job, gen)
+
+
+def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress: Progress = quiet) -> Moved:
+    """Move the running job ``name`` to ``link``'s machine (the hand-off of :mod:`torpor.policy.handoff`).
+
+    A checkpoint taken while the job runs on goes first; then the job is hibernated here (its image
+    durable), recorded MOVING, and its final checkpoint sends only the chunks that changed; its log and
+    records follow, then the commit, then *go*. Before the commit any failure aborts: the peer is told
+    to drop what it got, and the job is resumed here. After it the job is the peer's: a *go* that gets
+    no answer leaves it hibernated here, image kept, and raises saying so.
+    """
+    moves = Moves(engine.records)
+    job = engine.records.job(name)
+    done = Moved(job.name, link.name)
+    repo = _repo(engine)
+    learnt: set[str] = set()  # the chunks the peer was seen to have, or was sent
+    progress("copying its memory while it runs")
+    first = engine.checkpoint(job.name, progress=progress)
+    engine.wait_durable(first.id)
+    done.rounds.append(_send(repo, link, job.name, first.id, learnt))
+    done.gen = moves.start(job.name, link.name)
+    stopped = time.monotonic()
+    try:
+        progress("hibernating it")
+        final = engine.checkpoint(job.name, hibernate=True, progress=progress)
+        engine.wait_durable(final.id)
+        checkpoints = [c for c in engine.records.checkpoints(job.name) if c.id in set(repo.ids())]
+        for each in checkpoints:
+            done.rounds.append(_send(repo, link, job.name, each.id, learnt))
+        log = Path(job.log_path)
+        link.send_log(job.name, log.read_bytes() if log.exists() else b"")
+        link.arrive(job.name, done.gen, _spec(engine, job.name, checkpoints, repo))
+    except TorporError as exc:
+        _abort(engine, moves, link, job.name, done.gen, exc)
+        raise
+    if not moves.commit(job.name):  # the peer asked meanwhile and was told no: the move is off
+        _abort(engine, moves, link, job.name, done.gen, None)
+        raise EnvironmentProblem(f"the move of '{job.name}' to peer {link.name} was called off; it runs here")
+    progress(f"handing it over to peer {link.name}")
+    try:
+        done.answer = link.go(job.name, done.gen, resume=True, lazy=lazy)
+    except TorporError as exc:
+        exc.details.append(
+            f"job '{job.name}' is peer {link.name}'s now (generation {done.gen}); it stays hibernated here, "
+            f"its image kept, until peer {link.name} answers: 'torpor migrate {job.name} --to {link.name}' "
+            "again hands it over"
+        )
+        raise
+    done.stopped_s = time.monotonic() - stopped
+    finish(engine, job.name, done.gen, link.name)
+    return done
+
+
+def finish(engine: Engine, name: str, gen: int, peer: str) -> None:
+    """The peer owns ``name``: the source records it gone and lets its images go (its record stays)."""
+    Moves(engine.records).acknowledged(name, gen)
+    for each in engine.records.checkpoints(name):
+        engine.ctx.store.delete(each.id)
+        engine.records.delete_checkpoint(each.id)
+    engine.records.set_fields(JobName(name), message=f"moved to {peer}")
+
+
+def _send(repo: Repository, link: PeerLink, job: str, checkpoint_id: str, learnt: set[str]) -> dict[str, int]:
+    """Send the chunks of ``checkpoint_id`` the peer lacks, in batches; what was sent."""
+    manifest = repo.manifest(checkpoint_id)
+    offered = sorted({str(chunk) for chunk in manifest.chunk_ids()} - learnt)
+    lacking = link.missing(job, offered) if offered else []
+    sent = {"chunks": 0, "bytes": 0}
+    batch: list[bytes] = []
+    for frame in transfer.frames(repo, manifest, lacking):
+        batch.append(frame)
+        sent["chunks"] += 1
+        sent["bytes"] += len(frame)
+        if sum(map(len, batch)) >= BATCH_BYTES:
+            link.send_chunks(job, b"".join(batch))
+            batch = []
+    if batch:
+        link.send_chunks(job, b"".join(batch))
+    learnt.update(manifest.chunk_ids())
+    return sent
+
+
+def _spec(engine: Engine, name: str, checkpoints: list[Checkpoint], repo: Repository) -> dict[str, Any]:
+    """The job's records as the peer writes them (:meth:`torpor.core.arrivals.Arrivals.arrive`)."""
+    job = engine.records.job(name)
+    stopped = engine.settings.job_dir(name) / STOPPED_FILE
+    return {
+        "command": job.command,
+        "cwd": job.cwd,
+        "log_path": job.log_path,
+        "started_at": job.started_at,
+        "ended_at": job.ended_at,
+        "policy": engine.records.care(name).policy.to_dict(),
+        "stopped": json.loads(stopped.read_text()) if stopped.exists() else None,
+        "checkpoints": [
+            {**dataclasses.asdict(c), "manifest": repo.manifest(c.id).to_bytes().decode()}
+            for c in checkpoints
+        ],
+    }
+
+
+class _Aborts(Protocol):
+    def abort(self, job: str, gen: int) -> None: ...
+
+
+def _abort(
+    engine: Engine, moves: Moves, link: _Aborts, name: str, gen: int, cause: TorporError | None
+) -> None:
+    """Before the commit: the job is this machine's again, told to the peer (if it can be) and resumed."""
+    moves.abort(name)
+    with contextlib.suppress(TorporError):
+        link.abort(name, gen)
+    job = engine.records.job(name)
+    if job.state == JobState.HIBERNATED:
+        try:
+            engine.restore(name)
+        except TorporError as exc:
+            if cause is not None:
+                cause.details.append(f"job '{name}' stays hibernated here: resuming it failed: {exc.message}")
+            return
+    if cause is not None:
+        cause.details.append(f"job '{name}' was not moved: it runs here as before")
+
+
+def _repo(engine: Engine) -> Repository:
+    store = engine.ctx.store
+    if not isinstance(store, TieredStore):
+        raise EnvironmentProblem("this state directory's store cannot send a job to another machine")
+    return store.repo

@@ -71,6 +71,19 @@ class Moves:
             )
         return None
 
+    def moved(self) -> dict[str, str]:
+        """The jobs this machine handed to a peer (committed or gone), each with the peer's name."""
+        with self.records.transaction() as db:
+            rows = db.execute(
+                "SELECT job FROM moves_out WHERE phase IN (?, ?)", (Source.COMMITTED, Source.GONE)
+            )
+            found = {}
+            for row in rows.fetchall():
+                (outgoing, peer), (incoming, _) = _outgoing(db, row["job"]), _incoming(db, row["job"])
+                if handoff.held(outgoing, incoming) == handoff.Held.MOVED:
+                    found[str(row["job"])] = peer
+        return found
+
     def refuse_if_held(self, job: str) -> None:
         """WrongState saying :meth:`held`'s reason, if there is one."""
         why = self.held(job)
@@ -156,6 +169,14 @@ class Moves:
     def answered(self, job: str, committed: bool | None) -> Action:
         """The peer, started again with a record, got the source's answer (None: it could not ask)."""
         return self._in(job, lambda record: handoff.peer_on_restart(record, committed))
+
+    def image_log(self, checkpoint_id: str) -> str | None:
+        """The log an image that came from another machine writes to there (None: an image of here)."""
+        with self.records.transaction() as db:
+            row = db.execute(
+                "SELECT log_path FROM moved_images WHERE checkpoint=?", (checkpoint_id,)
+            ).fetchone()
+        return None if row is None else str(row["log_path"])
 
     def _in(self, job: str, step: PeerStep) -> Action:
         with self.records.transaction() as db:

@@ -26,6 +26,7 @@ from torpor.adapters.pageserver import PageServer
 from torpor.adapters.system import ownprocess, private, procfs
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.jobnetworks import NET_KEY
+from torpor.core.moves import Moves
 from torpor.core.recordtypes import CheckpointId, Job, JobState
 from torpor.core.rewind import Rewound, load_stopped, rewind_written_files
 from torpor.core.store import PageSource
@@ -268,7 +269,9 @@ def prepare_world(
     rewound = rewind_written_files(
         image_dir,
         rewound_dir / checkpoint_id,
-        keep=frozenset({Path(job.log_path)}),
+        keep=frozenset(
+            {Path(job.log_path), *(Path(p) for p in [Moves(ctx.records).image_log(checkpoint_id)] if p)}
+        ),
         at_stop=at_stop,
         stopped_ns=int(job.ended_at * 1e9) if job.ended_at else None,
         rewind=rewind,

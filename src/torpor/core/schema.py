@@ -125,6 +125,19 @@ CREATE TABLE IF NOT EXISTS moves_in (
     source TEXT NOT NULL,
     at REAL NOT NULL
 );
+-- a job's move here: for each chunk a source sent, the source's name of it and this store's
+CREATE TABLE IF NOT EXISTS arrival_chunks (
+    job TEXT NOT NULL,
+    theirs TEXT NOT NULL,
+    ours TEXT NOT NULL,
+    PRIMARY KEY (job, theirs)
+);
+-- checkpoints that came from another machine, and the log their image writes to there (a restore
+-- hands the job its log here in its place)
+CREATE TABLE IF NOT EXISTS moved_images (
+    checkpoint TEXT PRIMARY KEY,
+    log_path TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,

@@ -341,7 +341,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         report = agent.last_evacuation
         return report.to_dict() if report else None
 
-    arrivals.add_routes(app)
+    arrivals.add_routes(app, agent)
     metrics.add_routes(app, lambda: engine, records.events)
     web.add_routes(
         app,

@@ -134,6 +134,10 @@ class AgentClient:
         (``POST /v1/arrivals/look``)."""
         return dict(self._json("POST", "/v1/arrivals/look", json={"paths": paths, "ports": ports}))
 
+    def arrival(self, method: str, job: str, what: str = "", **kwargs: Any) -> Any:
+        """A call of the routes a job moving to this agent takes (``/v1/arrivals/JOB/WHAT``)."""
+        return self._json(method, f"/v1/arrivals/{_quoted(job)}" + (f"/{what}" if what else ""), **kwargs)
+
     def health(self) -> dict[str, Any]:
         return dict(self._json("GET", "/v1/health"))
 

@@ -1,0 +1,156 @@
+"""``torpor migrate``: a running job moved to a peer's agent (issue 30). Real CRIU, two state
+directories each with its own store key, the peer a real agent reached over TCP on loopback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Torpor, free_port, python_job
+from torpor.apps.migrate import PeerAgent
+from torpor.core.engine import Engine
+from torpor.core.migrate import move
+from torpor.core.peers import Peers
+from torpor.errors import TorporError
+from torpor.settings import Settings
+
+from .conftest import AgentProcess
+from .test_peers import secret
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+def steps(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^step (\d+)$", log, re.M)]
+
+
+def test_a_running_job_moves_to_the_peer_and_counts_on_there_with_all_its_output(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    token = secret(tmp_path / "token")
+    port = free_port()
+    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    try:
+        peer.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
+        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        torpor.wait_log("c", "step 5")
+        moved = torpor.run("migrate", "c", "--to", "b")
+        assert "moved job 'c' to peer b:" in moved.stdout, moved.stderr
+        assert "copying its memory while it runs" in moved.stderr
+
+        # the source keeps a record of where it went, and will not run it again
+        assert torpor.job("c")["state"] == "hibernated" and "moved to b" in torpor.job("c")["message"]
+        assert "moved to b" in torpor.run("ps").stdout
+        assert [j["moved_to"] for j in torpor.json("ps")] == ["b"]
+        again = torpor.run("resume", "c", check=False)
+        assert again.returncode == 2 and "moved to peer b" in again.stderr
+        left = steps(torpor.log("c"))
+
+        assert other.job("c")["state"] == "running"
+        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 5, 30, "the count to go on there")
+        there = steps(other.log("c"))
+        assert there == list(range(len(there)))  # all of its output, then on: no step lost, none twice
+        assert there[: len(left)] == left
+        assert [e["action"] for e in peer.events("c")][-2:] == ["arriving", "arrived"]
+    finally:
+        peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
+
+
+def test_a_move_the_peer_refuses_leaves_the_job_running_here_and_nothing_there(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    token = secret(tmp_path / "token")
+    port = free_port()
+    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    try:
+        peer.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
+        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        other.run("run", "--name", "c", "--", "sleep", "300")  # the peer's own job of that name
+        torpor.wait_log("c", "step 2")
+        refused = torpor.run("migrate", "c", "--to", "b", check=False)
+        assert refused.returncode == 2 and "has a job named 'c' of its own" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert torpor.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] is None
+        at = len(steps(torpor.log("c")))
+        torpor.wait_for(lambda: len(steps(torpor.log("c"))) > at + 3, 30, "the count to go on here")
+        assert other.job("c")["command"] == ["sleep", "300"]  # theirs, untouched
+    finally:
+        peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
+
+
+class KillsThePeer:
+    """The real link to the peer's agent, but that agent is killed (SIGKILL) just before ``step``."""
+
+    def __init__(self, link: PeerAgent, peer: AgentProcess, step: str) -> None:
+        self.link, self.peer, self.step, self.name = link, peer, step, link.name
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.link, name)
+        if name != self.step:
+            return call
+
+        def killed_first(*args: Any, **kwargs: Any) -> Any:
+            self.peer.kill()
+            return call(*args, **kwargs)
+
+        return killed_first
+
+
+def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is_back(
+    torpor: Torpor, other: Torpor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = secret(tmp_path / "token")
+    port = free_port()
+    flags = ("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
+    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    for key, value in torpor.env.items():
+        if key.startswith("TORPOR_"):
+            monkeypatch.setenv(key, value)
+    engine = Engine(Settings.from_environment())
+    try:
+        peer.start(*flags)
+        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        torpor.wait_log("c", "step 2")
+        link = PeerAgent(Peers(engine.records).get("b"))
+
+        # killed before the job's records reach it: the move is aborted, the job runs on here
+        with pytest.raises(TorporError) as cut:
+            move(engine, "c", KillsThePeer(link, peer, "arrive"))  # type: ignore[arg-type]
+        assert "job 'c' was not moved: it runs here as before" in cut.value.details
+        assert torpor.job("c")["state"] == "running"
+        peer.start(*flags)
+        assert other.json("ps") == []  # the records never arrived: no job there
+
+        # killed after the commit, before it is told to go: the job is the peer's, hibernated here
+        with pytest.raises(TorporError) as cut:
+            move(engine, "c", KillsThePeer(link, peer, "go"))  # type: ignore[arg-type]
+        assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
+        assert torpor.job("c")["state"] == "hibernated"
+        refused = torpor.run("resume", "c", check=False)
+        assert refused.returncode == 2 and "moved to peer b" in refused.stderr
+        peer.start(*flags)  # the peer, started again, holds it arrived but not its own: it waits
+        assert other.job("c")["state"] == "hibernated"
+        held = other.run("resume", "c", check=False)
+        assert held.returncode == 2 and "is arriving from" in held.stderr
+        left = steps(torpor.log("c"))
+
+        finished = torpor.run("migrate", "c", "--to", "b")  # hands it over now
+        assert "moved job 'c' to peer b" in finished.stdout
+        assert other.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] == "b"
+        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 3, 30, "the count to go on there")
+        there = steps(other.log("c"))
+        assert there == list(range(len(there))) and there[: len(left)] == left  # none lost, none twice
+    finally:
+        peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
