@@ -11,6 +11,7 @@ import pytest
 
 from conftest import Torpor, free_port, python_job
 from torpor.apps.migrate import PeerAgent
+from torpor.core import migrate
 from torpor.core.engine import Engine
 from torpor.core.migrate import move
 from torpor.core.peers import Peers
@@ -116,6 +117,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
         if key.startswith("TORPOR_"):
             monkeypatch.setenv(key, value)
     engine = Engine(Settings.from_environment())
+    monkeypatch.setattr(migrate, "BATCH_BYTES", 64)  # the log and the chunks in many pieces
     try:
         peer.start(*flags)
         torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))

@@ -39,8 +39,8 @@ class PeerAgent:
     def send_chunks(self, job: str, body: bytes) -> None:
         self.client.arrival("POST", job, "chunks", content=body, headers=_BINARY)
 
-    def send_log(self, job: str, data: bytes) -> None:
-        self.client.arrival("PUT", job, "log", content=data, headers=_BINARY)
+    def send_log(self, job: str, offset: int, data: bytes) -> None:
+        self.client.arrival("PUT", job, "log", content=data, headers=_BINARY, params={"offset": offset})
 
     def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None:
         self.client.arrival("POST", job, json={"gen": gen, "source": self.source, "spec": spec})

@@ -77,11 +77,17 @@ class Arrivals:
             )
         return len(learnt)
 
-    def put_log(self, job: str, data: bytes) -> None:
-        """The job's output so far, which its log here starts with."""
+    def put_log(self, job: str, offset: int, data: bytes) -> None:
+        """A piece of the job's output so far, at ``offset`` (0: the first, which starts the file anew):
+        its log here starts with it."""
         self._refuse_if_taken(job)
         path = self.staging(job) / "output.log"
-        with os.fdopen(private.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
+        with os.fdopen(private.open_private(path, flags), "wb") as out:
+            if out.seek(0, os.SEEK_END) != offset:
+                raise UsageError(
+                    f"the log of '{job}' is {out.tell()} bytes here, not {offset}: send it from the start"
+                )
             out.write(data)
 
     # -- the records, the hand-off ----------------------------------------------------------------------

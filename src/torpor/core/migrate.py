@@ -95,7 +95,7 @@ class PeerLink(Protocol):
 
     def missing(self, job: str, chunks: list[str]) -> list[str]: ...
     def send_chunks(self, job: str, body: bytes) -> None: ...
-    def send_log(self, job: str, data: bytes) -> None: ...
+    def send_log(self, job: str, offset: int, data: bytes) -> None: ...
     def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None: ...
     def go(self, job: str, gen: int, resume: bool, lazy: bool) -> dict[str, Any]: ...
     def abort(self, job: str, gen: int) -> None: ...
@@ -195,8 +195,7 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
         checkpoints = [c for c in engine.records.checkpoints(job.name) if c.id in set(repo.ids())]
         for each in checkpoints:
             done.rounds.append(_send(repo, link, job.name, each.id, learnt))
-        log = Path(job.log_path)
-        link.send_log(job.name, log.read_bytes() if log.exists() else b"")
+        _send_log(link, job.name, Path(job.log_path))
         link.arrive(job.name, done.gen, _spec(engine, job.name, checkpoints, repo))
     except TorporError as exc:
         _abort(engine, moves, link, job.name, done.gen, exc)
@@ -246,6 +245,20 @@ def _send(repo: Repository, link: PeerLink, job: str, checkpoint_id: str, learnt
         link.send_chunks(job, b"".join(batch))
     learnt.update(manifest.chunk_ids())
     return sent
+
+
+def _send_log(link: PeerLink, job: str, log: Path) -> None:
+    """The job's log, in pieces of at most :data:`BATCH_BYTES` (an empty one if it has none)."""
+    offset = 0
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(log.open("rb")) if log.exists() else None
+        while True:
+            piece = source.read(BATCH_BYTES) if source else b""
+            if piece or offset == 0:
+                link.send_log(job, offset, piece)
+            offset += len(piece)
+            if len(piece) < BATCH_BYTES:
+                return
 
 
 def _spec(engine: Engine, name: str, checkpoints: list[Checkpoint], repo: Repository) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -70,10 +70,10 @@ def add_routes(app: FastAPI, agent: Agent) -> None:
         return {"taken": await run_in_threadpool(arrivals.take, job, body)}
 
     @app.put("/v1/arrivals/{job}/log")
-    async def log(job: str, request: Request) -> dict[str, Any]:
-        """``job``'s output so far: its log here starts with it."""
+    async def log(job: str, request: Request, offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        """A piece of ``job``'s output so far, at ``offset``: its log here starts with it."""
         body = await _body(request)
-        await run_in_threadpool(arrivals.put_log, job, body)
+        await run_in_threadpool(arrivals.put_log, job, offset, body)
         return {"bytes": len(body)}
 
     @app.post("/v1/arrivals/{job}")
