@@ -7,8 +7,8 @@ generation, the peer); ``moves_in`` the peer's record of a job coming to it (:cl
 handoff.Incoming`, the generation, the source). Each method reads the record, applies the policy's
 function and writes what it returns before it returns: an answer (to a peer's question, above all) is
 never given before the record it depends on is written. Every restore asks :meth:`Moves.refuse_if_held`
-first, so that a job handed away, or not handed here yet, is never resumed here; ``torpor migrate``,
-which is to write these, is not built yet (issue 30).
+first, so that a job handed away, or not handed here yet, is never resumed here; ``torpor migrate``
+(:mod:`torpor.core.migrate`, :mod:`torpor.core.arrivals`) writes these.
 """
 
 from __future__ import annotations

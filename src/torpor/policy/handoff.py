@@ -1,6 +1,6 @@
 """The hand-off of a job from one machine to another: who owns it at each step, so that it never runs
-twice and is never lost, whatever crashes or is cut (issue 30's protocol; ``torpor migrate`` that acts on
-it is not built yet).
+twice and is never lost, whatever crashes or is cut (issue 30's protocol; :mod:`torpor.core.migrate` acts
+on it, through :mod:`torpor.core.moves`).
 
 Each side keeps one durable record of the move, in its own torpor.db, and acts only on what it has
 written there; the *source* decides, in one transaction, whether the move happened:

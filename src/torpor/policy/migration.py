@@ -1,5 +1,5 @@
 """Whether a job may move to a peer, decided before it is frozen (issue 30, part 4; ``torpor migrate``
-that asks it is not built yet).
+asks it, :mod:`torpor.core.migrate` gathers what it needs).
 
 A move is refused, each reason in a line naming what is wrong, when the job could not run there as it
 runs here: the peer cannot be reached or drains; it has not the job's memory free of its budget (its own
