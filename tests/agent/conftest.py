@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import ipaddress
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -22,8 +24,9 @@ import httpx
 import pytest
 
 from conftest import TORPOR, Torpor
-from torpor.adapters import cgroups
+from torpor.adapters import cgroups, jobnet
 from torpor.apps.agent.locate import answers
+from torpor.policy.addresses import overlapping
 
 
 class AgentProcess:
@@ -133,6 +136,38 @@ def other(tmp_path: Path) -> Iterator[Torpor]:
     }
     yield Torpor(home, env)
     subprocess.run(["rm", "-rf", env["TORPOR_HOT_DIR"]], check=False)
+
+
+def ip(*args: str) -> None:
+    """``ip ARGS...``, checked."""
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[str, str, str]]:
+    """A second node: a network namespace joined to this one by a veth pair of a /30 no route uses.
+    Yields the namespace, this side's link and the node's address; everything is removed after."""
+    routed = jobnet.routed_networks(jobnet.Bridge("torpor-unused"))
+    while True:
+        subnet = ipaddress.IPv4Network(f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/30")
+        if not overlapping(subnet, routed):
+            break
+    tag = uuid.uuid4().hex[:6]
+    netns, here, there = f"torpor-peer-{tag}", f"tpa{tag}", f"tpb{tag}"
+    mine, its = (str(a) for a in subnet.hosts())
+    ip("netns", "add", netns)
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", netns)
+        ip("addr", "add", f"{mine}/30", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", netns, "addr", "add", f"{its}/30", "dev", there)
+        ip("-n", netns, "link", "set", there, "up")
+        ip("-n", netns, "link", "set", "lo", "up")
+        yield netns, here, its
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
 
 
 @pytest.fixture

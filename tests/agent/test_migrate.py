@@ -1,15 +1,17 @@
 """``torpor migrate``: a running job moved to a peer's agent (issue 30). Real CRIU, two state
-directories each with its own store key, the peer a real agent reached over TCP on loopback."""
+directories each with its own store key, the peer a real agent reached over TCP on loopback, or over
+TLS on a second node: a network namespace of the test's own, joined by a veth pair it cuts."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Torpor, free_port, python_job
+from conftest import TORPOR, Torpor, free_port, python_job
 from torpor.apps.migrate import PeerAgent
 from torpor.core import migrate
 from torpor.core.engine import Engine
@@ -18,8 +20,8 @@ from torpor.core.peers import Peers
 from torpor.errors import TorporError
 from torpor.settings import Settings
 
-from .conftest import AgentProcess
-from .test_peers import secret
+from .conftest import AgentProcess, ip
+from .test_peers import certificate, secret
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -154,5 +156,85 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
         assert there == list(range(len(there))) and there[: len(left)] == left  # none lost, none twice
     finally:
         peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
+
+
+class CutsTheLink:
+    """The real link to the peer's agent, but the cable (the veth) is cut just before ``step``."""
+
+    def __init__(self, link: PeerAgent, cable: str, step: str) -> None:
+        self.link, self.cable, self.step, self.name = link, cable, step, link.name
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.link, name)
+        if name != self.step:
+            return call
+
+        def cut_first(*args: Any, **kwargs: Any) -> Any:
+            ip("link", "set", self.cable, "down")
+            return call(*args, **kwargs)
+
+        return cut_first
+
+
+@pytest.mark.root("to make a network namespace and a veth pair")
+def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_with_one_copy_once_mended(
+    torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    netns, cable, address = node
+    cert, key = certificate(tmp_path, address)
+    token = secret(tmp_path / "token")
+    port = free_port()
+    command = [
+        "ip", "netns", "exec", netns, TORPOR, "agent", "--round", "200ms", "--listen", f"{address}:{port}",
+        "--token-file", str(token), "--tls-cert", str(cert), "--tls-key", str(key), "--memory-budget", "2G",
+    ]  # fmt: skip
+    with open(tmp_path / "node-agent.log", "wb") as log:
+        agent = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=other.env
+        )
+    for key_, value in torpor.env.items():
+        if key_.startswith("TORPOR_"):
+            monkeypatch.setenv(key_, value)
+    engine = Engine(Settings.from_environment())
+    try:
+        url = f"https://{address}:{port}"
+        torpor.wait_for(
+            lambda: (
+                torpor.run(
+                    "peers",
+                    "add",
+                    "node2",
+                    url,
+                    "--token-file",
+                    str(token),
+                    "--ca-file",
+                    str(cert),
+                    check=False,
+                ).returncode
+                == 0
+            ),
+            30,
+            "the node's agent to answer",
+        )
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        torpor.wait_log("c", "step 2")
+        link = PeerAgent(Peers(engine.records).get("node2"), timeout_s=10)  # a cut fails a call in 10 s
+        with pytest.raises(TorporError) as cut:
+            move(engine, "c", CutsTheLink(link, cable, "go"))  # type: ignore[arg-type]
+        assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
+        assert torpor.job("c")["state"] == "hibernated"
+        left = steps(torpor.log("c"))
+        ip("link", "set", cable, "up")  # mended: the next migrate hands it over
+        finished = torpor.run("migrate", "c", "--to", "node2")
+        assert "moved job 'c' to peer node2" in finished.stdout
+        assert other.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] == "node2"
+        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 3, 30, "the count to go on there")
+        there = steps(other.log("c"))
+        assert there == list(range(len(there))) and there[: len(left)] == left  # none lost, none twice
+    finally:
+        agent.terminate()
+        agent.wait(30)
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)

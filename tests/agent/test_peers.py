@@ -10,14 +10,12 @@ import datetime
 import http.server
 import ipaddress
 import json
-import random
 import socket
 import ssl
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +27,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from conftest import TORPOR, Torpor, free_port, python_job
-from torpor.adapters import jobnet
-from torpor.policy.addresses import overlapping
 
-from .conftest import AgentProcess
+from .conftest import AgentProcess, ip
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,37 +204,6 @@ def _not_found(handler: http.server.BaseHTTPRequestHandler) -> None:
     handler.wfile.write(body)
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-@pytest.fixture
-def node() -> Iterator[tuple[str, str, str]]:
-    """A second node: a network namespace joined to this one by a veth pair of a /30 no route uses.
-    Yields the namespace, this side's link and the node's address; everything is removed after."""
-    routed = jobnet.routed_networks(jobnet.Bridge("torpor-unused"))
-    while True:
-        subnet = ipaddress.IPv4Network(f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/30")
-        if not overlapping(subnet, routed):
-            break
-    tag = uuid.uuid4().hex[:6]
-    netns, here, there = f"torpor-peer-{tag}", f"tpa{tag}", f"tpb{tag}"
-    mine, its = (str(a) for a in subnet.hosts())
-    _ip("netns", "add", netns)
-    try:
-        _ip("link", "add", here, "type", "veth", "peer", "name", there)
-        _ip("link", "set", there, "netns", netns)
-        _ip("addr", "add", f"{mine}/30", "dev", here)
-        _ip("link", "set", here, "up")
-        _ip("-n", netns, "addr", "add", f"{its}/30", "dev", there)
-        _ip("-n", netns, "link", "set", there, "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
-        yield netns, here, its
-    finally:
-        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", netns], capture_output=True, check=False)
-
-
 @pytest.mark.root("to make a network namespace and a veth pair")
 def test_a_peer_on_another_node_is_reachable_over_tls_and_unreachable_in_one_line_once_its_link_is_cut(
     torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str]
@@ -284,7 +249,7 @@ def test_a_peer_on_another_node_is_reachable_over_tls_and_unreachable_in_one_lin
         [seen] = torpor.json("peers")
         assert seen["reachable"] is True and seen["jobs"] == {}
 
-        _ip("link", "set", link, "down")  # the cable is cut
+        ip("link", "set", link, "down")  # the cable is cut
         started = time.monotonic()
         listed = torpor.run("peers")
         took = time.monotonic() - started
@@ -296,7 +261,7 @@ def test_a_peer_on_another_node_is_reachable_over_tls_and_unreachable_in_one_lin
         assert failed.returncode == 3 and len(failed.stderr.strip().splitlines()) == 1
         assert "Traceback" not in failed.stderr and "peer again" in failed.stderr
 
-        _ip("link", "set", link, "up")
+        ip("link", "set", link, "up")
         torpor.wait_for(lambda: torpor.json("peers")[0]["reachable"] is True, 30, "the peer reachable again")
     finally:
         agent.terminate()

@@ -23,12 +23,17 @@ from torpor.errors import EnvironmentProblem, TorporError
 from torpor.policy import migration
 
 
+#: how long one call of a move may wait for the peer (a batch of chunks over a slow link, a restore
+#: there): a cut network fails the call after this long
+TRANSFER_TIMEOUT_S = 120.0
+
+
 class PeerAgent:
     """:class:`torpor.core.migrate.PeerLink` over the peer's API (its token, its certificate)."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
         self.name = peer.name
-        self.client = peers_app.client_of(peer, timeout_s=TRANSFER_TIMEOUT_S)
+        self.client = peers_app.client_of(peer, timeout_s=timeout_s)
         self.source = socket.gethostname()
 
     def missing(self, job: str, chunks: list[str]) -> list[str]:
@@ -55,8 +60,6 @@ class PeerAgent:
         self.client.close()
 
 
-#: how long one call of a move may take (a batch of chunks over a slow link, a restore there)
-TRANSFER_TIMEOUT_S = 300.0
 _BINARY = {"Content-Type": "application/octet-stream"}
 
 
