@@ -22,7 +22,6 @@ from torpor.core.recordtypes import Peer
 from torpor.errors import EnvironmentProblem, TorporError
 from torpor.policy import migration
 
-
 #: how long one call of a move may wait for the peer (a batch of chunks over a slow link, a restore
 #: there): a cut network fails the call after this long
 TRANSFER_TIMEOUT_S = 120.0
