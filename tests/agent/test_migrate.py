@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,22 +91,23 @@ def test_a_move_the_peer_refuses_leaves_the_job_running_here_and_nothing_there(
         torpor.run("rm", "--force", "c", check=False)
 
 
-class KillsThePeer:
-    """The real link to the peer's agent, but that agent is killed (SIGKILL) just before ``step``."""
+class Before:
+    """The real link to the peer's agent, but ``then`` is done just before its call ``step`` (the peer's
+    agent killed, the cable cut)."""
 
-    def __init__(self, link: PeerAgent, peer: AgentProcess, step: str) -> None:
-        self.link, self.peer, self.step, self.name = link, peer, step, link.name
+    def __init__(self, link: PeerAgent, step: str, then: Callable[[], object]) -> None:
+        self.link, self.step, self.then, self.name = link, step, then, link.name
 
     def __getattr__(self, name: str) -> Any:
         call = getattr(self.link, name)
         if name != self.step:
             return call
 
-        def killed_first(*args: Any, **kwargs: Any) -> Any:
-            self.peer.kill()
+        def first_then(*args: Any, **kwargs: Any) -> Any:
+            self.then()
             return call(*args, **kwargs)
 
-        return killed_first
+        return first_then
 
 
 def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is_back(
@@ -129,7 +131,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
 
         # killed before the job's records reach it: the move is aborted, the job runs on here
         with pytest.raises(TorporError) as cut:
-            move(engine, "c", KillsThePeer(link, peer, "arrive"))  # type: ignore[arg-type]
+            move(engine, "c", Before(link, "arrive", peer.kill))  # type: ignore[arg-type]
         assert "job 'c' was not moved: it runs here as before" in cut.value.details
         assert torpor.job("c")["state"] == "running"
         peer.start(*flags)
@@ -137,7 +139,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
 
         # killed after the commit, before it is told to go: the job is the peer's, hibernated here
         with pytest.raises(TorporError) as cut:
-            move(engine, "c", KillsThePeer(link, peer, "go"))  # type: ignore[arg-type]
+            move(engine, "c", Before(link, "go", peer.kill))  # type: ignore[arg-type]
         assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
         assert torpor.job("c")["state"] == "hibernated"
         refused = torpor.run("resume", "c", check=False)
@@ -158,24 +160,6 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
         peer.close()
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)
-
-
-class CutsTheLink:
-    """The real link to the peer's agent, but the cable (the veth) is cut just before ``step``."""
-
-    def __init__(self, link: PeerAgent, cable: str, step: str) -> None:
-        self.link, self.cable, self.step, self.name = link, cable, step, link.name
-
-    def __getattr__(self, name: str) -> Any:
-        call = getattr(self.link, name)
-        if name != self.step:
-            return call
-
-        def cut_first(*args: Any, **kwargs: Any) -> Any:
-            ip("link", "set", self.cable, "down")
-            return call(*args, **kwargs)
-
-        return cut_first
 
 
 @pytest.mark.root("to make a network namespace and a veth pair")
@@ -222,7 +206,7 @@ def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_wit
         torpor.wait_log("c", "step 2")
         link = PeerAgent(Peers(engine.records).get("node2"), timeout_s=10)  # a cut fails a call in 10 s
         with pytest.raises(TorporError) as cut:
-            move(engine, "c", CutsTheLink(link, cable, "go"))  # type: ignore[arg-type]
+            move(engine, "c", Before(link, "go", lambda: ip("link", "set", cable, "down")))  # type: ignore[arg-type]
         assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
         assert torpor.job("c")["state"] == "hibernated"
         left = steps(torpor.log("c"))

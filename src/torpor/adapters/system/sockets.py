@@ -78,15 +78,12 @@ class Listener(NamedTuple):
 
 
 _TCP_LISTEN = "0A"
+_TCP_ESTABLISHED = "01"
 
 
-def _tcp_listening(pid: int) -> dict[int, TcpAddress]:
-    """The listening TCP sockets (v4 and v6) of ``pid``'s network namespace, by inode.
-
-    ``/proc/PID/net/tcp{,6}`` print each address as the kernel's 32-bit words in host byte order and
-    the port as a number; state ``0A`` is LISTEN.
-    """
-    found: dict[int, TcpAddress] = {}
+def _tcp_rows(pid: int, state: str) -> Iterator[list[str]]:
+    """The rows of ``pid``'s network namespace's TCP tables (v4 and v6) of sockets in ``state``
+    (``0A`` LISTEN, ``01`` ESTABLISHED), each split into its fields."""
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as lines:
@@ -94,14 +91,7 @@ def _tcp_listening(pid: int) -> dict[int, TcpAddress]:
                 rows = [line.split() for line in lines]
         except OSError:
             continue
-        for row in rows:
-            if len(row) < 10 or row[3] != _TCP_LISTEN:
-                continue
-            found[int(row[9])] = _hex_address(row[1])
-    return found
-
-
-_TCP_ESTABLISHED = "01"
+        yield from (row for row in rows if len(row) >= 10 and row[3] == state)
 
 
 def _hex_address(text: str) -> TcpAddress:
@@ -114,21 +104,18 @@ def _hex_address(text: str) -> TcpAddress:
     return TcpAddress(str(ipaddress.ip_address(raw)), int(hex_port, 16))
 
 
+def _tcp_listening(pid: int) -> dict[int, TcpAddress]:
+    """The listening TCP sockets (v4 and v6) of ``pid``'s network namespace, by inode."""
+    return {int(row[9]): _hex_address(row[1]) for row in _tcp_rows(pid, _TCP_LISTEN)}
+
+
 def _tcp_established(pid: int) -> dict[int, str]:
     """The established TCP connections (v4 and v6) of ``pid``'s network namespace, by inode, each as
     ``LOCAL -> REMOTE``."""
-    found: dict[int, str] = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as lines:
-                next(lines, None)  # the header
-                rows = [line.split() for line in lines]
-        except OSError:
-            continue
-        for row in rows:
-            if len(row) >= 10 and row[3] == _TCP_ESTABLISHED:
-                found[int(row[9])] = f"{_hex_address(row[1])} -> {_hex_address(row[2])}"
-    return found
+    return {
+        int(row[9]): f"{_hex_address(row[1])} -> {_hex_address(row[2])}"
+        for row in _tcp_rows(pid, _TCP_ESTABLISHED)
+    }
 
 
 def established_connections(pids: list[int]) -> list[str]:
