@@ -128,7 +128,17 @@ class AgentProcess:
 @pytest.fixture
 def other(tmp_path: Path) -> Iterator[Torpor]:
     """A second state directory: a peer's (tests/agent/test_peers.py, test_migrate.py)."""
-    home = tmp_path / "peer-home"
+    yield from state_directory(tmp_path / "peer-home")
+
+
+@pytest.fixture
+def third(tmp_path: Path) -> Iterator[Torpor]:
+    """A third state directory: a second peer's."""
+    yield from state_directory(tmp_path / "peer2-home")
+
+
+def state_directory(home: Path) -> Iterator[Torpor]:
+    """A state directory of its own at ``home``, with a hot tier of its own, removed after."""
     env = {
         **os.environ,
         "TORPOR_HOME": str(home),

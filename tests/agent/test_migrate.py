@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import TORPOR, Torpor, free_port, python_job
-from torpor.apps.migrate import PeerAgent
+from torpor.apps.agent.abroad import PeerAgent
 from torpor.core import migrate
 from torpor.core.engine import Engine
 from torpor.core.migrate import move

@@ -12,6 +12,7 @@ import pytest
 from torpor.policy import notices
 from torpor.policy.evacuation import (
     HIBERNATE,
+    MOVED,
     WAIT,
     Failure,
     Job,
@@ -89,10 +90,17 @@ def test_a_hibernation_under_way_or_an_image_not_durable_yet_is_waited_for() -> 
 
 
 def test_jobs_with_nothing_to_save_are_left_alone_saying_why() -> None:
-    jobs = [Job("safe", "hibernated"), Job("done", "exited"), Job("broke", "failed"), Job("odd", "zombie")]
+    jobs = [
+        Job("safe", "hibernated"),
+        Job("done", "exited"),
+        Job("broke", "failed"),
+        Job("odd", "zombie"),
+        Job("away", MOVED, image_durable=False),
+    ]
     evacuation = plan(jobs, NOW, NOW + 120)
     assert evacuation.steps == ()
     assert evacuation.skipped == (
+        Skip("away", "moved to a peer: it is that machine's"),
         Skip("broke", "failed: no processes to save"),
         Skip("done", "exited: no processes to save"),
         Skip("odd", "state 'zombie' is not one an evacuation knows"),
@@ -251,6 +259,14 @@ def test_the_report_sorts_every_job_by_what_became_of_it() -> None:
         "2 of 5 jobs saved by the deadline, 1 late (c), 1 not finished (d), "
         "1 failed (b: CRIU: Can't dump io_uring), 1 already safe"
     )
+
+
+def test_a_job_a_peer_took_is_saved_and_not_one_to_resume_here() -> None:
+    outcomes = [Outcome("a", True, NOW + 5, moved_to="b"), Outcome("c", True, NOW + 9)]
+    done = report(_evacuation(), outcomes, at=NOW + 45)
+    assert done.saved == ("a", "c") and done.moved == (("a", "b"),)
+    assert done.hibernated == ("c",)
+    assert done.summary.startswith("2 of 5 jobs saved by the deadline, 1 moved to peers (a to b), ")
 
 
 def test_what_had_not_happened_yet_when_the_report_was_made_is_unfinished() -> None:

@@ -34,6 +34,8 @@ LIVE_STATES = frozenset({"running", "starting", "checkpointing", "restoring"})
 #: a hibernation already under way: wait for it and its durable copy
 HIBERNATING = "hibernating"
 HIBERNATED = "hibernated"
+#: a job handed to a peer (``torpor migrate``, an evacuation to peers): nothing of it is left to save here
+MOVED = "moved"
 
 #: a guess of the durable tier's speed, for a job that has no checkpoint to measure it by (bytes/s)
 DEFAULT_DURABLE_BYTES_PER_S = 256 * 1024 * 1024
@@ -128,8 +130,8 @@ def plan(jobs: Iterable[Job], now: float, deadline: float | None, parallelism: i
     1. A job with processes (:data:`LIVE_STATES`) is hibernated (``HIBERNATE``).
     2. A job being hibernated, or hibernated with an image that is not durable yet, is waited for (``WAIT``);
        its upload already runs, so it takes no checkpoint slot.
-    3. Every other job is skipped, saying why: hibernated with a durable image (already safe), exited,
-       failed, or a state this plan does not know.
+    3. Every other job is skipped, saying why: hibernated with a durable image (already safe), moved to a
+       peer, exited, failed, or a state this plan does not know.
     4. Checkpoints are given, in order, to the first of ``parallelism`` slots to be free (at least one);
        a step ``fits`` when it is expected to be durable by ``deadline`` (always, without one).
     """
@@ -147,6 +149,8 @@ def plan(jobs: Iterable[Job], now: float, deadline: float | None, parallelism: i
             steps.append(Step(job.name, WAIT, now, now + cost, _fits(now + cost, deadline)))
         elif job.state == HIBERNATED:
             skipped.append(Skip(job.name, "hibernated, its image durable already", safe=True))
+        elif job.state == MOVED:
+            skipped.append(Skip(job.name, "moved to a peer: it is that machine's"))
         elif job.state in ("exited", "failed"):
             skipped.append(Skip(job.name, f"{job.state}: no processes to save"))
         else:
@@ -178,14 +182,16 @@ def durable_estimate(
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of one step: ``ok`` once the job's image is in the durable tier (at ``at``, epoch
-    seconds), else ``error`` says why not (the checkpoint failed, the upload failed)."""
+    """What became of one step: ``ok`` once the job's image is in the durable tier, or once the peer
+    ``moved_to`` resumed it (at ``at``, epoch seconds), else ``error`` says why not (the checkpoint
+    failed, the upload failed)."""
 
     name: str
     ok: bool
     at: float
     error: str | None = None
     checkpoint: str | None = None
+    moved_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,7 @@ class Report:
     ``already_safe``: hibernated with a durable image before the evacuation began; ``skipped``: the rest
     (exited, failed, unknown states). ``hibernated`` is the jobs this evacuation hibernated and brought to
     the durable tier (saved or late), in plan order: the candidates to resume at the next start.
+    ``moved``: the saved (or late) jobs that a peer took instead, each with the peer, in plan order.
     """
 
     at: float
@@ -214,6 +221,7 @@ class Report:
     already_safe: tuple[str, ...]
     skipped: tuple[Skip, ...]
     hibernated: tuple[str, ...]
+    moved: tuple[tuple[str, str], ...] = ()
 
     @property
     def not_in_time(self) -> tuple[str, ...]:
@@ -230,6 +238,12 @@ class Report:
         """One line for the agent's log and events."""
         acted = len(self.saved) + len(self.late) + len(self.failed) + len(self.unfinished)
         parts = [f"{len(self.saved)} of {acted} jobs saved by the deadline"]
+        if self.moved:
+            parts.append(
+                f"{len(self.moved)} moved to peers ("
+                + ", ".join(f"{job} to {p}" for job, p in self.moved)
+                + ")"
+            )
         if self.late:
             parts.append(f"{len(self.late)} late ({', '.join(self.late)})")
         if self.unfinished:
@@ -262,6 +276,7 @@ def report(evacuation: Plan, outcomes: Iterable[Outcome], at: float) -> Report:
     failed: list[Failure] = []
     unfinished: list[str] = []
     hibernated: list[str] = []
+    moved: list[tuple[str, str]] = []
     for step in evacuation.steps:
         outcome = final.get(step.name)
         if outcome is None:
@@ -270,7 +285,9 @@ def report(evacuation: Plan, outcomes: Iterable[Outcome], at: float) -> Report:
             failed.append(Failure(step.name, outcome.error or "failed"))
         else:
             (saved if _fits(outcome.at, evacuation.deadline) else late).append(step.name)
-            if step.action == HIBERNATE:
+            if outcome.moved_to is not None:
+                moved.append((step.name, outcome.moved_to))
+            elif step.action == HIBERNATE:
                 hibernated.append(step.name)
     already_safe = tuple(skip.name for skip in evacuation.skipped if skip.safe)
     others = tuple(skip for skip in evacuation.skipped if not skip.safe)
@@ -284,6 +301,7 @@ def report(evacuation: Plan, outcomes: Iterable[Outcome], at: float) -> Report:
         already_safe,
         others,
         tuple(hibernated),
+        tuple(moved),
     )
 
 

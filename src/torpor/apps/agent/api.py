@@ -92,6 +92,7 @@ class StopRequest(BaseModel):
 class DrainRequest(BaseModel):
     why: str = "torpor drain"
     deadline_s: float | None = Field(None, gt=0)
+    to_peers: bool = Field(False, description="move each job to a peer that has room, hibernate the rest")
 
 
 def status_of(error: TorporError) -> int:
@@ -322,12 +323,12 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/drain")
     def drain(body: DrainRequest, request: Request) -> Any:
-        """Evacuate the node: hibernate every job into the durable tier, most valuable first; take no new
-        job until ``DELETE /v1/drain``. Returns the report once all is saved or the deadline passed."""
+        """Evacuate the node: hibernate every job into the durable tier (``to_peers``: move each to a peer
+        that has room, hibernate the rest), most valuable first; take no new job until ``DELETE /v1/drain``. Returns the report once all is saved or the deadline passed."""
 
         def work(progress: Progress, warn: Progress) -> dict[str, Any]:
             progress(f"evacuating ({body.why})")
-            return agent.evacuate(body.why, BY_DRAIN, body.deadline_s).to_dict()
+            return agent.evacuate(body.why, BY_DRAIN, body.deadline_s, to_peers=body.to_peers).to_dict()
 
         return _answer(request, work)
 

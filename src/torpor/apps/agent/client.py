@@ -206,8 +206,11 @@ class AgentClient:
             params["limit"] = limit
         return [wire.event_from_dict(e) for e in self._json("GET", "/v1/events", params=params)]
 
-    def drain(self, why: str, deadline_s: float | None = None, progress: Progress = quiet) -> dict[str, Any]:
-        return dict(self._streamed("/v1/drain", {"why": why, "deadline_s": deadline_s}, progress, quiet))
+    def drain(
+        self, why: str, deadline_s: float | None = None, to_peers: bool = False, progress: Progress = quiet
+    ) -> dict[str, Any]:
+        body = {"why": why, "deadline_s": deadline_s, "to_peers": to_peers}
+        return dict(self._streamed("/v1/drain", body, progress, quiet))
 
     def undrain(self) -> list[str]:
         return list(self._json("DELETE", "/v1/drain")["resumed"])

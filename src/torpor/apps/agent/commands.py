@@ -176,6 +176,7 @@ def cmd_agent(settings: Settings, args: argparse.Namespace) -> int:
         notice_url=args.notice_url,
         notice_format=args.notice_format,
         notice_interval_s=args.notice_interval,
+        evacuate_to_peers=args.evacuate_to_peers,
         scheduling=SchedulerOptions(budget=args.memory_budget, reserve=args.memory_reserve),
     )
     return serve(settings, options, listen_of(args))
@@ -279,11 +280,14 @@ def cmd_drain(settings: Settings, args: argparse.Namespace) -> int:
                 print("the node takes jobs again" + (f"; resuming {', '.join(resumed)}" if resumed else ""))
             return 0
         if client is not None:
-            report = client.drain(args.why, args.deadline, progress=show)
+            report = client.drain(args.why, args.deadline, args.to_peers, progress=show)
         else:
             show("no agent runs: evacuating from here")
             report = _embedded(
-                settings, lambda agent: agent.evacuate(args.why, "drain", args.deadline).to_dict()
+                settings,
+                lambda agent: agent.evacuate(
+                    args.why, "drain", args.deadline, to_peers=args.to_peers
+                ).to_dict(),
             )
     if args.json:
         emit_json(report)
@@ -309,14 +313,18 @@ def print_report(report: dict[str, Any]) -> None:
     )
     rows = []
     for name in report["order"]:
-        if name in report["saved"]:
-            saved = report["saved"][name]
+        saved = report["saved"].get(name)
+        if saved and saved.get("moved_to"):
+            rows.append([name, f"moved to {saved['moved_to']}", "-", f"stopped {saved['stopped_s']:.2f} s"])
+        elif saved:
             rows.append([name, "durable", saved["checkpoint"], f"{saved['durable_s']:.1f} s"])
         elif name in report["failed"]:
             rows.append([name, "FAILED", report["failed"][name], "-"])
         else:
             rows.append([name, "not durable by the deadline", "-", "-"])
     print(table(["JOB", "SAVED", "CHECKPOINT", "DURABLE AFTER"], rows) if rows else "no job to save")
+    for name, why in (report.get("stayed") or {}).items():
+        print(f"{name} stayed here: {why}")
 
 
 # -- parsers ----------------------------------------------------------------------------------------------
@@ -393,6 +401,12 @@ def add_parsers(sub: Any, add: AddParser) -> None:
         help="how often to poll it (default 5s)",
     )
     p.add_argument(
+        "--evacuate-to-peers",
+        action="store_true",
+        help="a spot or maintenance notice moves each job to a peer that has room first (as 'torpor drain "
+        "--to-peers'), and hibernates the rest",
+    )
+    p.add_argument(
         "--memory-budget",
         type=size,
         metavar="SIZE",
@@ -434,8 +448,15 @@ def add_parsers(sub: Any, add: AddParser) -> None:
 
     p = add(
         "drain",
-        "evacuate the node: hibernate every job into the durable tier, most valuable first",
+        "evacuate the node: hibernate every job into the durable tier (or move it to a peer, "
+        "--to-peers), most valuable first",
         job=False,
+    )
+    p.add_argument(
+        "--to-peers",
+        action="store_true",
+        help="move each job to a peer that has room ('torpor peers'), as 'torpor migrate' does; hibernate "
+        "here only those no peer takes",
     )
     p.add_argument("--deadline", type=duration, metavar="DURATION", help="report by then (default 10m)")
     p.add_argument("--why", default="torpor drain", help="the reason, shown in the events")

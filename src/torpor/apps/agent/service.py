@@ -11,7 +11,6 @@ The decisions are :mod:`torpor.policy`'s (:mod:`~torpor.policy.periodic`, :mod:`
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -21,14 +20,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from torpor.adapters import cgroups
-from torpor.adapters.system import private, procfs, sockets
+from torpor.adapters.system import procfs, sockets
+from torpor.apps.agent import abroad
 from torpor.apps.agent.history import SAMPLE_EVERY_S, MemoryHistory
+from torpor.apps.agent.node import memory_controller, take_lock
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
 from torpor.core.engine import Engine
+from torpor.core.moves import Moves
 from torpor.core.recordtypes import Care, Checkpoint, Job, JobName, JobState
 from torpor.core.store import DURABLE
 from torpor.errors import EnvironmentProblem, TorporError, UsageError
@@ -64,6 +64,8 @@ class AgentOptions:
     notice_url: str | None = None
     notice_format: str = "auto"
     notice_interval_s: float = 5.0
+    #: whether a notice's evacuation moves jobs to peers that have room first (``--evacuate-to-peers``)
+    evacuate_to_peers: bool = False
     #: the scheduler's budget, reserve and rules (``--memory-budget``, ``--memory-reserve``)
     scheduling: SchedulerOptions = field(default_factory=SchedulerOptions)
 
@@ -80,6 +82,8 @@ class EvacuationReport:
     saved: dict[str, dict[str, Any]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)
+    #: an evacuation to peers: the jobs that were to move and why each did not (hibernated here instead)
+    stayed: dict[str, str] = field(default_factory=dict)
     finished_at: float | None = None
     summary: str = ""
 
@@ -94,6 +98,7 @@ class EvacuationReport:
             "saved": self.saved,
             "failed": self.failed,
             "pending": self.pending,
+            "stayed": self.stayed,
             "summary": self.summary,
         }
 
@@ -350,9 +355,16 @@ class Agent:
         return None if value is None else dict(json.loads(value))
 
     def evacuate(
-        self, why: str, by: str, deadline_s: float | None = None, resume_at_boot: bool | None = None
+        self,
+        why: str,
+        by: str,
+        deadline_s: float | None = None,
+        resume_at_boot: bool | None = None,
+        to_peers: bool = False,
     ) -> EvacuationReport:
-        """Hibernate every running job into the durable tier, most valuable first; refuse new jobs.
+        """Hibernate every running job into the durable tier, most valuable first; refuse new jobs. With
+        ``to_peers``, move each to a peer that has room instead (:mod:`~torpor.apps.agent.abroad`), and
+        hibernate the rest.
 
         The order and what to do with each job are :func:`torpor.policy.evacuation.plan`'s. Runs
         ``parallel`` checkpoints at once and returns by the deadline with what was saved by then; the
@@ -382,19 +394,31 @@ class Agent:
                 self._candidates(), time.time(), report.deadline_at, self.options.parallel
             )
             report.order = [step.name for step in the_plan.steps]
+            live = [step.name for step in the_plan.steps if step.action == evacuation.HIBERNATE]
+            where = abroad.destinations(self.engine, live) if to_peers and live else None
+            report.stayed = {stay.job: stay.reason for stay in where.stays} if where else {}
             outcomes: list[evacuation.Outcome] = []
             # not a with-block: that would wait for every checkpoint, and the report is due by the deadline
             pool = ThreadPoolExecutor(max(1, self.options.parallel), "torpor-evacuate")
             futures = {
-                pool.submit(self._evacuate_one, JobName(step.name), by): step.name for step in the_plan.steps
+                pool.submit(
+                    self._evacuate_one,
+                    JobName(step.name),
+                    by,
+                    where.peer_of(step.name) if where else None,
+                    report,
+                ): step.name
+                for step in the_plan.steps
             }
             pool.shutdown(wait=False)  # what is under way at the deadline goes on; the next round sees it
             done, _ = wait_futures(futures, timeout=max(0.0, report.deadline_at - time.time()))
             for future in done:
                 name = futures[future]
                 try:
-                    report.saved[name] = future.result()
-                    outcomes.append(evacuation.Outcome(name, True, report.saved[name]["at"]))
+                    saved = report.saved[name] = future.result()
+                    outcomes.append(
+                        evacuation.Outcome(name, True, saved["at"], moved_to=saved.get("moved_to"))
+                    )
                 except TorporError as exc:
                     self._evacuation_tried.add(JobName(name))
                     report.failed[name] = exc.message
@@ -417,6 +441,7 @@ class Agent:
         cares = self.records.cares()
         latest = {job.name: self.records.latest_checkpoint(job.name) for job in jobs}
         images = self.engine.image_states([c for c in latest.values() if c is not None])
+        moved = Moves(self.records).moved()
         candidates = []
         for job in jobs:
             last = latest[job.name]
@@ -424,7 +449,7 @@ class Agent:
             candidates.append(
                 evacuation.Job(
                     name=job.name,
-                    state=str(job.state),
+                    state=evacuation.MOVED if job.name in moved else str(job.state),
                     priority=cares[job.name].policy.priority if job.name in cares else 0,
                     last_checkpoint_at=last.created_at if last else None,
                     started_at=job.started_at or job.created_at,
@@ -442,13 +467,34 @@ class Agent:
                     return
             time.sleep(0.05)
 
-    def _evacuate_one(self, name: JobName, by: str) -> dict[str, Any]:
+    def _evacuate_one(
+        self, name: JobName, by: str, peer: str | None, report: EvacuationReport
+    ) -> dict[str, Any]:
         started = time.monotonic()
         job = self.records.job(name)
         deadline = time.monotonic() + 60
         while job.state in _PASSING and time.monotonic() < deadline:  # a checkpoint or restore under way
             time.sleep(0.1)
             job = self.records.job(name)
+        if job.state == JobState.RUNNING and peer is not None:
+            try:
+                moved = abroad.move_to(self.engine, name, peer)
+            except TorporError as exc:
+                if abroad.handed_over(self.engine, name):  # the peer's now, hibernated here
+                    raise EnvironmentProblem("; ".join([exc.message, *exc.details])) from exc
+                report.stayed[name] = "; ".join([exc.message, *exc.details])
+                self.event(name, "stay", f"evacuation ({by}): not moved to {peer}: {exc.message}")
+                job = self.records.job(name)  # running here again, or hibernated if its resume failed
+            else:
+                sent = sum(r["bytes"] for r in moved.rounds)
+                self.event(
+                    name,
+                    "moved",
+                    f"evacuation ({by}): to peer {peer}",
+                    stopped_s=moved.stopped_s,
+                    sent_bytes=sent,
+                )
+                return {"moved_to": peer, "stopped_s": moved.stopped_s, "sent_bytes": sent, "at": time.time()}
         if job.state == JobState.RUNNING:
             checkpoint = self.hibernate(name, by)
             self.event(name, "hibernate", f"evacuation ({by})", **checkpoint_costs(checkpoint))
@@ -471,7 +517,13 @@ class Agent:
         left = None if notice.deadline is None else max(1.0, notice.deadline - time.time())
         self.event(None, "notice", notice.text, source=notice.source, becomes=notice.action, deadline_s=left)
         if notice.evacuate:
-            args = (notice.text, BY_NOTICE, left, evacuation.resumes_at_boot(notice))
+            args = (
+                notice.text,
+                BY_NOTICE,
+                left,
+                evacuation.resumes_at_boot(notice),
+                self.options.evacuate_to_peers,
+            )
             threading.Thread(target=self.evacuate, args=args, name="torpor-evacuate", daemon=True).start()
 
     def on_notice_problem(self, problem: str | None) -> None:
@@ -542,37 +594,3 @@ def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, 
     missing = [port for port in ports if port not in {p for _, p in found}]
     # a port the job did not listen on at that moment is held on loopback only: never wider than the job
     return (*found, *(("127.0.0.1", port) for port in missing))
-
-
-def take_lock(path: Path) -> int:
-    """Hold ``path`` locked for as long as the agent runs; a second agent on the same home is refused."""
-    fd = private.open_private(path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise EnvironmentProblem(
-            f"an agent already runs for {path.parent}" + (f" (pid {holder})" if holder else "")
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def memory_controller(home: Path) -> cgroups.MemoryController | None:
-    """The memory controller the scheduler gives each job of ``home`` a cgroup of; None (and why, in the
-    log) without."""
-    detected = cgroups.detect_memory_controller()
-    if isinstance(detected, cgroups.NoMemoryController):
-        log.warning(
-            "no memory cgroups for the jobs (%s): their usage is read from /proc alone", detected.reason
-        )
-        return None
-    found = detected.scoped(cgroups.scope_of(home))
-    try:
-        found.prepare()
-    except TorporError as exc:
-        log.warning("no memory cgroups for the jobs: %s", exc.message)
-        return None
-    return found

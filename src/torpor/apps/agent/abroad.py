@@ -1,0 +1,158 @@
+"""Moving a job to a peer through the peer's agent: :class:`PeerAgent` (the link
+:func:`torpor.core.migrate.move` sends through), :func:`check` (may it move, asked before anything is
+frozen) and :func:`relocate` (check, then move), for ``torpor migrate`` and the evacuation to peers.
+
+Evacuation to peers (issue 30, part 5): ``torpor drain --to-peers``, and the spot and maintenance
+notices of an agent started with ``--evacuate-to-peers``, move each job the evacuation would hibernate
+to a peer that has room, and hibernate here only the jobs no peer takes. Which peer takes which job is
+:func:`torpor.policy.placement.place`'s (:func:`destinations`), from what every peer answers ``GET
+/v1/node`` (asked all at once, each within the peers' timeout) and each job's memory here, in the
+evacuation's order (most valuable first). Each move is checked first, so that a job the peer cannot run
+(a port taken there, a file missing, a connection) is refused before anything is frozen, and hibernated
+here instead.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torpor.apps.agent.peering import ask, client_of
+from torpor.core.context import Progress, quiet
+from torpor.core.engine import Engine
+from torpor.core.migrate import Moved, carry_on, job_facts, move, moving
+from torpor.core.moves import Moves
+from torpor.core.peers import Peers, this_machine
+from torpor.core.recordtypes import Peer
+from torpor.errors import EnvironmentProblem, TorporError
+from torpor.policy import migration, placement
+
+#: how long one call of a move may wait for the peer (a batch of chunks over a slow link, a restore
+#: there): a cut network fails the call after this long
+TRANSFER_TIMEOUT_S = 120.0
+
+
+class PeerAgent:
+    """:class:`torpor.core.migrate.PeerLink` over the peer's API (its token, its certificate)."""
+
+    def __init__(self, peer: Peer, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        self.name = peer.name
+        self.client = client_of(peer, timeout_s=timeout_s)
+        self.source = socket.gethostname()
+
+    def missing(self, job: str, chunks: list[str]) -> list[str]:
+        return [
+            str(c) for c in self.client.arrival("POST", job, "missing", json={"chunks": chunks})["missing"]
+        ]
+
+    def send_chunks(self, job: str, body: bytes) -> None:
+        self.client.arrival("POST", job, "chunks", content=body, headers=_BINARY)
+
+    def send_log(self, job: str, offset: int, data: bytes) -> None:
+        self.client.arrival("PUT", job, "log", content=data, headers=_BINARY, params={"offset": offset})
+
+    def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None:
+        self.client.arrival("POST", job, json={"gen": gen, "source": self.source, "spec": spec})
+
+    def go(self, job: str, gen: int, resume: bool, lazy: bool) -> dict[str, Any]:
+        return dict(self.client.arrival("POST", job, "go", json={"gen": gen, "resume": resume, "lazy": lazy}))
+
+    def abort(self, job: str, gen: int) -> None:
+        self.client.arrival("POST", job, "abort", json={"gen": gen})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+_BINARY = {"Content-Type": "application/octet-stream"}
+
+
+def check(
+    engine: Engine, name: str, peer: Peer, drop_connections: bool = False
+) -> tuple[migration.Job, list[str]]:
+    """The running job ``name`` as a move sees it, and why it may not move to ``peer`` (each a line;
+    none: it may), asked of the peer's agent before anything is frozen."""
+    job = job_facts(engine, name)
+    seen = ask(peer)
+    peer_facts = migration.Peer(peer.name, seen.problem, seen.node)
+    if seen.problem is None:
+        client = client_of(peer)
+        try:
+            there = client.look(sorted(job.read_files), list(job.listens))
+        except TorporError as exc:
+            problem = exc.message.removeprefix("the agent did not answer: ").splitlines()[0]
+            peer_facts = migration.Peer(peer.name, problem)
+        else:
+            stamps: dict[str, migration.Stamp | None] = {
+                path: (int(s[0]), int(s[1])) if s else None for path, s in (there.get("stamps") or {}).items()
+            }
+            taken = [int(port) for port in there.get("ports_taken") or []]
+            peer_facts = migration.Peer(peer.name, None, seen.node, stamps, taken)
+        finally:
+            client.close()
+    return job, migration.refusals(job, peer_facts, this_machine(engine.settings), drop_connections)
+
+
+def relocate(
+    engine: Engine,
+    name: str,
+    peer: Peer,
+    drop_connections: bool = False,
+    lazy: bool = False,
+    progress: Progress = quiet,
+) -> Moved:
+    """Move ``name`` to ``peer`` (``torpor migrate``, an evacuation to peers): a move of it that was cut
+    off is finished or undone first; then it is checked (EnvironmentProblem naming each refusal) and
+    handed over (:func:`torpor.core.migrate.move`)."""
+    with moving(engine, name):
+        link = PeerAgent(peer)
+        try:
+            finished = carry_on(engine, name, link, lazy=lazy)
+            if finished is not None:
+                return finished
+            job, refusals = check(engine, name, peer, drop_connections)
+            if refusals:
+                raise EnvironmentProblem(
+                    f"job '{job.name}' cannot move to peer {peer.name}", details=refusals
+                )
+            return move(engine, name, link, lazy=lazy, progress=progress)
+        finally:
+            link.close()
+
+
+def destinations(engine: Engine, names: list[str]) -> placement.Placement:
+    """Where each of ``names`` (in the evacuation's order) goes: the peer that takes it, or why none."""
+    known = Peers(engine.records).all()
+    with ThreadPoolExecutor(max(1, min(16, len(known))), "torpor-peers") as pool:
+        seen = list(pool.map(ask, known))
+    peers = [
+        placement.Peer(
+            each.peer.name,
+            free=int((each.node.get("memory") or {}).get("free") or 0),
+            reachable=each.problem is None,
+            draining=bool(each.node.get("draining")),
+        )
+        for each in seen
+    ]
+    return placement.place([placement.Job(name, _memory(engine, name)) for name in names], peers)
+
+
+def _memory(engine: Engine, name: str) -> int:
+    """What ``name`` would need on a peer: its tree's PSS, as ``torpor migrate`` checks it."""
+    try:
+        return engine.status(name).rss_bytes or 0
+    except TorporError:
+        return 0
+
+
+def move_to(engine: Engine, name: str, peer: str) -> Moved:
+    """Move the running job ``name`` to ``peer`` as ``torpor migrate`` does (refused, or aborted before
+    the hand-over: the job runs here again, and TorporError says why)."""
+    return relocate(engine, name, Peers(engine.records).get(peer))
+
+
+def handed_over(engine: Engine, name: str) -> bool:
+    """Whether a move of ``name`` that failed left it the peer's (committed, the peer not told to go):
+    it must not be hibernated or resumed here, and the next ``torpor migrate`` finishes the move."""
+    return Moves(engine.records).held(name) is not None

@@ -1,0 +1,100 @@
+"""``torpor drain --to-peers`` (issue 30, part 5): the jobs of a node move to the peers that have room,
+most valuable first, and the one no peer takes is hibernated here. Real CRIU, three agents (this node's
+and two peers', each its own state directory and store key) on loopback."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import Torpor, free_port, python_job
+
+from .conftest import AgentProcess
+from .test_peers import secret
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
+
+
+def steps(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^step (\d+)$", log, re.M)]
+
+
+def counting(torpor: Torpor, name: str, past: int) -> Callable[[], bool]:
+    """Whether ``name``'s log has counted a few steps past ``past``."""
+    return lambda: len(steps(torpor.log(name))) > past + 3
+
+
+def serve_peer(here: Torpor, peer: Torpor, name: str, folder: Path, budget: str) -> AgentProcess:
+    """``peer``'s agent on a loopback port of its own, with ``budget`` to hand out, added to ``here``'s
+    peers as ``name``."""
+    token = secret(folder / f"{name}.token")
+    port = free_port()
+    agent = AgentProcess(peer, folder / f"{name}-agent.log")
+    agent.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", budget)
+    here.run("peers", "add", name, f"http://127.0.0.1:{port}", "--token-file", str(token))
+    return agent
+
+
+def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_third(
+    torpor: Torpor, other: Torpor, third: Torpor, agent: AgentProcess, tmp_path: Path
+) -> None:
+    # each job holds ~110 MiB; each peer has 180 MiB to give: one job each, and none for the third
+    peers = [
+        serve_peer(torpor, other, "b", tmp_path, "180M"),
+        serve_peer(torpor, third, "c", tmp_path, "180M"),
+    ]
+    jobs = {"low": "0", "mid": "1", "top": "2"}
+    try:
+        agent.start()
+        for name, priority in jobs.items():
+            torpor.run("run", "--name", name, "--priority", priority, *python_job("memory_hog.py", "100"))
+        for name in jobs:
+            torpor.wait_log(name, "step 3")
+
+        drained = torpor.run("drain", "--to-peers", "--why", "maintenance")
+        out = drained.stdout
+        assert re.search(r"^top +moved to b ", out, re.M) and re.search(r"^mid +moved to c ", out, re.M), out
+        assert re.search(r"^low +durable ", out, re.M), out
+        assert re.search(r"^low stayed here: no peer has .* free", out, re.M), out
+        report = torpor.json("drain", "--to-peers")  # a second drain: nothing left to move or save
+        assert report["saved"] == {} and report["failed"] == {}
+
+        # the two that moved run there, their output whole and going on; the source knows where they went
+        for name, there in (("top", other), ("mid", third)):
+            assert torpor.job(name)["moved_to"] == ("b" if there is other else "c")
+            assert there.job(name)["state"] == "running"
+            left = steps(torpor.log(name))
+            there.wait_for(counting(there, name, len(left)), 30, f"{name} to count on there")
+            counted = steps(there.log(name))
+            assert counted == list(range(len(counted))) and counted[: len(left)] == left
+        assert [j["name"] for j in other.json("ps")] == ["top"] and [j["name"] for j in third.json("ps")] == [
+            "mid"
+        ]
+
+        # the one no peer took is hibernated here, into the durable tier, and nothing of it went anywhere
+        assert torpor.job("low")["state"] == "hibernated" and torpor.job("low")["moved_to"] is None
+        moved = [e for e in agent.events() if e["action"] == "moved"]
+        assert sorted((e["job"], e["reason"]) for e in moved) == [
+            ("mid", "evacuation (drain): to peer c"),
+            ("top", "evacuation (drain): to peer b"),
+        ]
+        evacuated = agent.wait_event("evacuated")
+        assert "2 moved to peers (top to b, mid to c)" in evacuated["reason"], evacuated
+
+        # the drain's end brings back only what it hibernated here
+        cancelled = torpor.json("drain", "--cancel")
+        assert cancelled["resumed"] == ["low"]
+        torpor.wait_for(lambda: torpor.job("low")["state"] == "running", 60, "low to run again")
+        at = len(steps(torpor.log("low")))
+        torpor.wait_for(counting(torpor, "low", at), 30, "low to count on")
+        counted = steps(torpor.log("low"))
+        assert counted == list(range(len(counted)))
+    finally:
+        for each in peers:
+            each.close()
+        for home, names in ((other, ["top"]), (third, ["mid"]), (torpor, list(jobs))):
+            for name in names:
+                home.run("rm", "--force", name, check=False)
