@@ -1,10 +1,13 @@
 """``torpor drain --to-peers`` (issue 30, part 5): the jobs of a node move to the peers that have room,
-most valuable first, and the one no peer takes is hibernated here. Real CRIU, three agents (this node's
-and two peers', each its own state directory and store key) on loopback."""
+most valuable first, and the one no peer takes is hibernated here; ``torpor agent --evacuate-to-peers``
+does the same at a spot notice. Real CRIU, real agents (this node's and its peers', each its own state
+directory and store key) on loopback."""
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 
 from conftest import Torpor, free_port, python_job
 
-from .conftest import AgentProcess
+from .conftest import AgentProcess, Metadata, _serve
 from .test_peers import secret
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
@@ -83,6 +86,8 @@ def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_thi
         ]
         evacuated = agent.wait_event("evacuated")
         assert "2 moved to peers (top to b, mid to c)" in evacuated["reason"], evacuated
+        page = agent.api.get("/").text  # the node's page: where each went, in its row and its timeline
+        assert "moved to b" in page and "moved to c" in page and "evacuation (drain): to peer b" in page
 
         # the drain's end brings back only what it hibernated here
         cancelled = torpor.json("drain", "--cancel")
@@ -98,3 +103,32 @@ def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_thi
         for home, names in ((other, ["top"]), (third, ["mid"]), (torpor, list(jobs))):
             for name in names:
                 home.run("rm", "--force", name, check=False)
+
+
+def test_a_spot_notice_moves_the_job_to_the_peer_that_answers_with_evacuate_to_peers(
+    torpor: Torpor, other: Torpor, agent: AgentProcess, service: tuple[str, Metadata], tmp_path: Path
+) -> None:
+    url, meta = service
+    peer = serve_peer(torpor, other, "b", tmp_path, "2G")
+    token = secret(tmp_path / "gone.token")  # a peer whose agent is gone: asked, and passed over
+    torpor.run(
+        "peers", "add", "gone", f"http://127.0.0.1:{free_port()}", "--token-file", str(token), "--no-check"
+    )
+    try:
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        path = "/latest/meta-data/spot/instance-action"
+        agent.start("--notice-url", url + path, "--notice-interval", "200ms", "--evacuate-to-peers")
+        torpor.wait_log("c", "step 3")
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+        _serve(meta, path, 200, json.dumps({"action": "terminate", "time": when}).encode())
+        evacuated = agent.wait_event("evacuated", timeout=120)
+        assert evacuated["detail"]["saved"]["c"]["moved_to"] == "b", evacuated
+        assert torpor.job("c")["moved_to"] == "b" and other.job("c")["state"] == "running"
+        left = steps(torpor.log("c"))
+        other.wait_for(counting(other, "c", len(left)), 30, "c to count on there")
+        counted = steps(other.log("c"))
+        assert counted == list(range(len(counted))) and counted[: len(left)] == left
+    finally:
+        peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
