@@ -69,6 +69,7 @@ bench: setup
 	$(BIN)/python scripts/bench_scheduler_runs.py
 	$(BIN)/python scripts/bench_warmstart.py
 	$(BIN)/python scripts/bench_kube.py
+	$(BIN)/python scripts/bench_migrate.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -148,15 +148,17 @@ class RawProcess:
             self.last_image = images
         return stats.frozen_s or wall, wall, size
 
-    def restore(self, streamed: bool = False) -> float:
+    def restore(self, streamed: bool = False, via: tuple[str, ...] = ()) -> float:
         """Restore the last (killing) dump with ``criu restore -d``; returns its wall time (CRIU's own, from
         its log, goes to ``last_criu_s``). ``streamed``: ``criu restore --stream``, every file served from
         the folder by torpor's image streamer as it is (spliced, no copy, nothing verified): what CRIU's
-        stream mode itself costs, the mode torpor restores from its cold tier in."""
+        stream mode itself costs, the mode torpor restores from its cold tier in. ``via``: the command
+        to run CRIU through (``ip netns exec NS``: restored on another node)."""
         images = self.last_image
         assert images is not None, "restore() follows a dump(leave_running=False)"
         pidfile = self.work / f"restore-{self.count}.pid"
         command = [
+            *via,
             str(self.criu),
             "restore",
             "--images-dir",

@@ -185,6 +185,7 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
     progress("copying its memory while it runs")
     first = engine.checkpoint(job.name, progress=progress)
     engine.wait_durable(first.id)
+    progress(f"sending it to peer {link.name}")
     done.rounds.append(_send(repo, link, job.name, first.id, learnt))
     done.gen = moves.start(job.name, link.name)
     stopped = time.monotonic()
@@ -192,6 +193,7 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
         progress("hibernating it")
         final = engine.checkpoint(job.name, hibernate=True, progress=progress)
         engine.wait_durable(final.id)
+        progress("sending what changed since")
         checkpoints = [c for c in engine.records.checkpoints(job.name) if c.id in set(repo.ids())]
         for each in checkpoints:
             done.rounds.append(_send(repo, link, job.name, each.id, learnt))
