@@ -67,6 +67,8 @@ def test_on_restart_an_uncommitted_move_is_aborted_and_a_committed_one_sends_go_
     source.start("c", "node2")
     assert source.commit("c")
     source.acknowledged("c", 1)
+    assert source.unfinished() == [("a", "node2"), ("b", "node3")]  # read, nothing rewritten
+    assert source.outgoing("a") == (SourceRecord(Source.MOVING, 1), "node2")
     found = moves(tmp_path / "node1").restart_outgoing()
     assert found == [
         ("a", "node2", SourceRecord(Source.HERE, 1), Action.ABORT),

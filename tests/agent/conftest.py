@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -23,10 +24,12 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import TORPOR, Torpor
+from conftest import TORPOR, Torpor, free_port
 from torpor.adapters import cgroups, jobnet
 from torpor.apps.agent.locate import answers
+from torpor.core.engine import Engine
 from torpor.policy.addresses import overlapping
+from torpor.settings import Settings
 
 
 class AgentProcess:
@@ -146,6 +149,54 @@ def state_directory(home: Path) -> Iterator[Torpor]:
     }
     yield Torpor(home, env)
     subprocess.run(["rm", "-rf", env["TORPOR_HOT_DIR"]], check=False)
+
+
+@dataclass
+class LoopbackPeer:
+    """A peer's agent on a loopback port of its own, with a token, known to the source as ``name``."""
+
+    agent: AgentProcess
+    flags: tuple[str, ...]
+
+    def start(self) -> None:
+        """(Again, after a kill.)"""
+        self.agent.start(*self.flags)
+
+
+def loopback_peer(here: Torpor, peer: Torpor, name: str, folder: Path, budget: str = "2G") -> LoopbackPeer:
+    """``peer``'s agent started on a loopback port, handing out ``budget``, added to ``here``'s peers as
+    ``name``. The test closes its ``agent``."""
+    token = folder / f"{name}.token"
+    token.write_text(uuid.uuid4().hex + "\n")
+    token.chmod(0o600)
+    port = free_port()
+    flags = ("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", budget)
+    found = LoopbackPeer(AgentProcess(peer, folder / f"{name}-agent.log"), flags)
+    found.start()
+    here.run("peers", "add", name, f"http://127.0.0.1:{port}", "--token-file", str(token))
+    return found
+
+
+def engine_of(torpor: Torpor, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """An engine in the test's process on ``torpor``'s state directory (its TORPOR_ variables set)."""
+    for key, value in torpor.env.items():
+        if key.startswith("TORPOR_"):
+            monkeypatch.setenv(key, value)
+    return Engine(Settings.from_environment())
+
+
+def steps(log: str) -> list[int]:
+    """The counts a counter job printed (tests/jobs/counter.py, memory_hog.py): ``step N`` lines."""
+    return [int(n) for n in re.findall(r"^step (\d+)$", log, re.M)]
+
+
+def counts_on(there: Torpor, name: str, before: list[int]) -> None:
+    """Wait until job ``name`` of ``there`` counted a few steps past ``before`` (what it had counted
+    before a move, a hibernation), then check its log holds every step once, in order, from 0:
+    none lost, none twice."""
+    there.wait_for(lambda: len(steps(there.log(name))) > len(before) + 3, 30, f"{name} to count on")
+    counted = steps(there.log(name))
+    assert counted == list(range(len(counted))) and counted[: len(before)] == before, counted
 
 
 def ip(*args: str) -> None:

@@ -8,37 +8,16 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from conftest import Torpor, free_port, python_job
 
-from .conftest import AgentProcess, Metadata, _serve
+from .conftest import AgentProcess, Metadata, _serve, counts_on, loopback_peer, steps
 from .test_peers import secret
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
-
-
-def steps(log: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^step (\d+)$", log, re.M)]
-
-
-def counting(torpor: Torpor, name: str, past: int) -> Callable[[], bool]:
-    """Whether ``name``'s log has counted a few steps past ``past``."""
-    return lambda: len(steps(torpor.log(name))) > past + 3
-
-
-def serve_peer(here: Torpor, peer: Torpor, name: str, folder: Path, budget: str) -> AgentProcess:
-    """``peer``'s agent on a loopback port of its own, with ``budget`` to hand out, added to ``here``'s
-    peers as ``name``."""
-    token = secret(folder / f"{name}.token")
-    port = free_port()
-    agent = AgentProcess(peer, folder / f"{name}-agent.log")
-    agent.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", budget)
-    here.run("peers", "add", name, f"http://127.0.0.1:{port}", "--token-file", str(token))
-    return agent
 
 
 def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_third(
@@ -46,8 +25,8 @@ def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_thi
 ) -> None:
     # each job holds ~110 MiB; each peer has 180 MiB to give: one job each, and none for the third
     peers = [
-        serve_peer(torpor, other, "b", tmp_path, "180M"),
-        serve_peer(torpor, third, "c", tmp_path, "180M"),
+        loopback_peer(torpor, other, "b", tmp_path, "180M"),
+        loopback_peer(torpor, third, "c", tmp_path, "180M"),
     ]
     jobs = {"low": "0", "mid": "1", "top": "2"}
     try:
@@ -69,10 +48,7 @@ def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_thi
         for name, there in (("top", other), ("mid", third)):
             assert torpor.job(name)["moved_to"] == ("b" if there is other else "c")
             assert there.job(name)["state"] == "running"
-            left = steps(torpor.log(name))
-            there.wait_for(counting(there, name, len(left)), 30, f"{name} to count on there")
-            counted = steps(there.log(name))
-            assert counted == list(range(len(counted))) and counted[: len(left)] == left
+            counts_on(there, name, steps(torpor.log(name)))
         assert [j["name"] for j in other.json("ps")] == ["top"] and [j["name"] for j in third.json("ps")] == [
             "mid"
         ]
@@ -93,13 +69,10 @@ def test_a_drain_to_two_peers_moves_the_two_jobs_that_fit_and_hibernates_the_thi
         cancelled = torpor.json("drain", "--cancel")
         assert cancelled["resumed"] == ["low"]
         torpor.wait_for(lambda: torpor.job("low")["state"] == "running", 60, "low to run again")
-        at = len(steps(torpor.log("low")))
-        torpor.wait_for(counting(torpor, "low", at), 30, "low to count on")
-        counted = steps(torpor.log("low"))
-        assert counted == list(range(len(counted)))
+        counts_on(torpor, "low", steps(torpor.log("low")))
     finally:
         for each in peers:
-            each.close()
+            each.agent.close()
         for home, names in ((other, ["top"]), (third, ["mid"]), (torpor, list(jobs))):
             for name in names:
                 home.run("rm", "--force", name, check=False)
@@ -109,7 +82,7 @@ def test_a_spot_notice_moves_the_job_to_the_peer_that_answers_with_evacuate_to_p
     torpor: Torpor, other: Torpor, agent: AgentProcess, service: tuple[str, Metadata], tmp_path: Path
 ) -> None:
     url, meta = service
-    peer = serve_peer(torpor, other, "b", tmp_path, "2G")
+    peer = loopback_peer(torpor, other, "b", tmp_path)
     token = secret(tmp_path / "gone.token")  # a peer whose agent is gone: asked, and passed over
     torpor.run(
         "peers", "add", "gone", f"http://127.0.0.1:{free_port()}", "--token-file", str(token), "--no-check"
@@ -124,11 +97,8 @@ def test_a_spot_notice_moves_the_job_to_the_peer_that_answers_with_evacuate_to_p
         evacuated = agent.wait_event("evacuated", timeout=120)
         assert evacuated["detail"]["saved"]["c"]["moved_to"] == "b", evacuated
         assert torpor.job("c")["moved_to"] == "b" and other.job("c")["state"] == "running"
-        left = steps(torpor.log("c"))
-        other.wait_for(counting(other, "c", len(left)), 30, "c to count on there")
-        counted = steps(other.log("c"))
-        assert counted == list(range(len(counted))) and counted[: len(left)] == left
+        counts_on(other, "c", steps(torpor.log("c")))
     finally:
-        peer.close()
+        peer.agent.close()
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)

@@ -4,8 +4,8 @@ TLS on a second node: a network namespace of the test's own, joined by a veth pa
 
 from __future__ import annotations
 
-import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,31 +15,21 @@ import pytest
 from conftest import TORPOR, Torpor, free_port, python_job
 from torpor.apps.agent.abroad import PeerAgent
 from torpor.core import migrate
-from torpor.core.engine import Engine
 from torpor.core.migrate import move
 from torpor.core.peers import Peers
 from torpor.errors import TorporError
-from torpor.settings import Settings
 
-from .conftest import AgentProcess, ip
+from .conftest import AgentProcess, counts_on, engine_of, ip, loopback_peer, steps
 from .test_peers import certificate, secret
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
 
-def steps(log: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^step (\d+)$", log, re.M)]
-
-
 def test_a_running_job_moves_to_the_peer_and_counts_on_there_with_all_its_output(
     torpor: Torpor, other: Torpor, tmp_path: Path
 ) -> None:
-    token = secret(tmp_path / "token")
-    port = free_port()
-    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    peer = loopback_peer(torpor, other, "b", tmp_path).agent
     try:
-        peer.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
-        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
         torpor.run("run", "--name", "c", *python_job("counter.py"))
         torpor.wait_log("c", "step 5")
         moved = torpor.run("migrate", "c", "--to", "b")
@@ -55,10 +45,7 @@ def test_a_running_job_moves_to_the_peer_and_counts_on_there_with_all_its_output
         left = steps(torpor.log("c"))
 
         assert other.job("c")["state"] == "running"
-        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 5, 30, "the count to go on there")
-        there = steps(other.log("c"))
-        assert there == list(range(len(there)))  # all of its output, then on: no step lost, none twice
-        assert there[: len(left)] == left
+        counts_on(other, "c", left)  # all of its output, then on: no step lost, none twice
         assert [e["action"] for e in peer.events("c")][-2:] == ["arriving", "arrived"]
     finally:
         peer.close()
@@ -69,12 +56,8 @@ def test_a_running_job_moves_to_the_peer_and_counts_on_there_with_all_its_output
 def test_a_move_the_peer_refuses_leaves_the_job_running_here_and_nothing_there(
     torpor: Torpor, other: Torpor, tmp_path: Path
 ) -> None:
-    token = secret(tmp_path / "token")
-    port = free_port()
-    peer = AgentProcess(other, tmp_path / "peer-agent.log")
+    peer = loopback_peer(torpor, other, "b", tmp_path).agent
     try:
-        peer.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
-        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
         torpor.run("run", "--name", "c", *python_job("counter.py"))
         other.run("run", "--name", "c", "--", "sleep", "300")  # the peer's own job of that name
         torpor.wait_log("c", "step 2")
@@ -82,13 +65,18 @@ def test_a_move_the_peer_refuses_leaves_the_job_running_here_and_nothing_there(
         assert refused.returncode == 2 and "has a job named 'c' of its own" in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
         assert torpor.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] is None
-        at = len(steps(torpor.log("c")))
-        torpor.wait_for(lambda: len(steps(torpor.log("c"))) > at + 3, 30, "the count to go on here")
+        counts_on(torpor, "c", steps(torpor.log("c")))  # on here
         assert other.job("c")["command"] == ["sleep", "300"]  # theirs, untouched
     finally:
         peer.close()
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)
+
+
+def handed_over(source: Torpor, there: Torpor, peer: str, before: list[int]) -> None:
+    """Job c runs on ``there`` (the peer ``peer``) and counts on from ``before``; ``source`` says it moved."""
+    assert there.job("c")["state"] == "running" and source.json("ps")[0]["moved_to"] == peer
+    counts_on(there, "c", before)
 
 
 class Before:
@@ -113,18 +101,11 @@ class Before:
 def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is_back(
     torpor: Torpor, other: Torpor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    token = secret(tmp_path / "token")
-    port = free_port()
-    flags = ("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", "2G")
-    peer = AgentProcess(other, tmp_path / "peer-agent.log")
-    for key, value in torpor.env.items():
-        if key.startswith("TORPOR_"):
-            monkeypatch.setenv(key, value)
-    engine = Engine(Settings.from_environment())
+    engine = engine_of(torpor, monkeypatch)
     monkeypatch.setattr(migrate, "BATCH_BYTES", 64)  # the log and the chunks in many pieces
+    served = loopback_peer(torpor, other, "b", tmp_path)
+    peer = served.agent
     try:
-        peer.start(*flags)
-        torpor.run("peers", "add", "b", f"http://127.0.0.1:{port}", "--token-file", str(token))
         torpor.run("run", "--name", "c", *python_job("counter.py"))
         torpor.wait_log("c", "step 2")
         link = PeerAgent(Peers(engine.records).get("b"))
@@ -134,7 +115,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
             move(engine, "c", Before(link, "arrive", peer.kill))  # type: ignore[arg-type]
         assert "job 'c' was not moved: it runs here as before" in cut.value.details
         assert torpor.job("c")["state"] == "running"
-        peer.start(*flags)
+        served.start()
         assert other.json("ps") == []  # the records never arrived: no job there
 
         # killed after the commit, before it is told to go: the job is the peer's, hibernated here
@@ -144,7 +125,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
         assert torpor.job("c")["state"] == "hibernated"
         refused = torpor.run("resume", "c", check=False)
         assert refused.returncode == 2 and "moved to peer b" in refused.stderr
-        peer.start(*flags)  # the peer, started again, holds it arrived but not its own: it waits
+        served.start()  # the peer, started again, holds it arrived but not its own: it waits
         assert other.job("c")["state"] == "hibernated"
         held = other.run("resume", "c", check=False)
         assert held.returncode == 2 and "is arriving from" in held.stderr
@@ -152,10 +133,7 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
 
         finished = torpor.run("migrate", "c", "--to", "b")  # hands it over now
         assert "moved job 'c' to peer b" in finished.stdout
-        assert other.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] == "b"
-        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 3, 30, "the count to go on there")
-        there = steps(other.log("c"))
-        assert there == list(range(len(there))) and there[: len(left)] == left  # none lost, none twice
+        handed_over(torpor, other, "b", left)
     finally:
         peer.close()
         other.run("rm", "--force", "c", check=False)
@@ -178,10 +156,7 @@ def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_wit
         agent = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=other.env
         )
-    for key_, value in torpor.env.items():
-        if key_.startswith("TORPOR_"):
-            monkeypatch.setenv(key_, value)
-    engine = Engine(Settings.from_environment())
+    engine = engine_of(torpor, monkeypatch)
     try:
         url = f"https://{address}:{port}"
         torpor.wait_for(
@@ -213,12 +188,60 @@ def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_wit
         ip("link", "set", cable, "up")  # mended: the next migrate hands it over
         finished = torpor.run("migrate", "c", "--to", "node2")
         assert "moved job 'c' to peer node2" in finished.stdout
-        assert other.job("c")["state"] == "running" and torpor.json("ps")[0]["moved_to"] == "node2"
-        other.wait_for(lambda: len(steps(other.log("c"))) > len(left) + 3, 30, "the count to go on there")
-        there = steps(other.log("c"))
-        assert there == list(range(len(there))) and there[: len(left)] == left  # none lost, none twice
+        handed_over(torpor, other, "node2", left)
     finally:
         agent.terminate()
         agent.wait(30)
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
+
+
+#: a 'torpor migrate' of job c to peer b that dies (SIGKILL's exit) just before the job's records reach b
+DIES_BEFORE_ARRIVE = """
+import os
+from torpor.apps.agent.abroad import PeerAgent
+from torpor.core.engine import Engine
+from torpor.core.migrate import move, moving
+from torpor.core.peers import Peers
+from torpor.settings import Settings
+
+engine = Engine(Settings.from_environment())
+link = PeerAgent(Peers(engine.records).get("b"))
+link.arrive = lambda *args: os._exit(137)
+with moving(engine, "c"):
+    move(engine, "c", link)
+"""
+
+
+def test_the_source_agent_finishes_a_cut_off_move_by_itself_undone_before_the_commit_handed_over_after(
+    torpor: Torpor, other: Torpor, agent: AgentProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_of(torpor, monkeypatch)
+    served = loopback_peer(torpor, other, "b", tmp_path)
+    peer = served.agent
+    try:
+        torpor.run("run", "--name", "c", *python_job("counter.py"))
+        torpor.wait_log("c", "step 2")
+
+        # the move's process dies with the job hibernated and recorded moving, before the peer has it
+        died = subprocess.run([sys.executable, "-c", DIES_BEFORE_ARRIVE], env=torpor.env, capture_output=True)
+        assert died.returncode == 137, died.stderr.decode()
+        assert torpor.job("c")["state"] == "hibernated"
+        agent.start()  # the source's agent undoes it: the job is resumed here, the peer told to drop it
+        undone = agent.wait_event("stay", "c", timeout=60)
+        assert "undone" in undone["reason"]
+        assert torpor.job("c")["state"] == "running" and other.json("ps") == []
+
+        # cut after the commit (the peer's agent killed before go): handed over once the peer is back
+        link = PeerAgent(Peers(engine.records).get("b"))
+        with pytest.raises(TorporError):
+            move(engine, "c", Before(link, "go", peer.kill))  # type: ignore[arg-type]
+        left = steps(torpor.log("c"))
+        served.start()
+        handed = agent.wait_event("moved", "c", timeout=60)
+        assert "handed over to peer b" in handed["reason"]
+        handed_over(torpor, other, "b", left)
+    finally:
+        peer.close()
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)

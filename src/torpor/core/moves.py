@@ -118,6 +118,20 @@ class Moves:
                 _write_out(db, job, after, peer)
             return answer
 
+    def unfinished(self) -> list[tuple[str, str]]:
+        """The moves from here whose hand-off is not over (:func:`~torpor.policy.handoff.source_on_restart`
+        would act on them: one not committed, to abort; one committed, its *go* to send), as (job, peer).
+        Nothing is rewritten: whoever finishes one holds its move's lock first (:func:`torpor.core.
+        migrate.moving`), since a live ``torpor migrate`` may own it."""
+        with self.records.transaction() as db:
+            rows = db.execute("SELECT job FROM moves_out ORDER BY job").fetchall()
+            found = [(str(row["job"]), *_outgoing(db, row["job"])) for row in rows]
+        return [
+            (job, peer)
+            for job, record, peer in found
+            if handoff.source_on_restart(record)[1] != Action.NOTHING
+        ]
+
     def restart_outgoing(self) -> list[tuple[str, str, SourceRecord, Action]]:
         """What the source does with each record it finds when it starts again, the records rewritten
         first (an uncommitted move aborted): (job, peer, record, action)."""

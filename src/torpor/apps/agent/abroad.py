@@ -14,7 +14,11 @@ here instead.
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,9 +29,10 @@ from torpor.core.migrate import Moved, carry_on, job_facts, move, moving
 from torpor.core.moves import Moves
 from torpor.core.peers import Peers, this_machine
 from torpor.core.recordtypes import Peer
-from torpor.errors import EnvironmentProblem, TorporError
+from torpor.errors import EnvironmentProblem, TorporError, WrongState
 from torpor.policy import migration, placement
 
+log = logging.getLogger("torpor.agent")
 #: how long one call of a move may wait for the peer (a batch of chunks over a slow link, a restore
 #: there): a cut network fails the call after this long
 TRANSFER_TIMEOUT_S = 120.0
@@ -156,3 +161,50 @@ def handed_over(engine: Engine, name: str) -> bool:
     """Whether a move of ``name`` that failed left it the peer's (committed, the peer not told to go):
     it must not be hibernated or resumed here, and the next ``torpor migrate`` finishes the move."""
     return Moves(engine.records).held(name) is not None
+
+
+class CutOffMoves:
+    """The source agent's part in a move whose ``torpor migrate`` (or evacuation) was cut off, killed or
+    left with a peer that did not answer: every :data:`EVERY_S`, in a thread of its own (a peer may take
+    its timeout to answer), each such move whose lock no live process holds is finished, as the next
+    ``torpor migrate`` of it would (:func:`torpor.core.migrate.carry_on`): one not committed is aborted,
+    the peer told to drop what it got and the job resumed here; a committed one's *go* is sent again
+    until the peer answers. A round hook of the agent (:attr:`Agent.round_hooks`)."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, engine: Engine, event: Callable[..., None]) -> None:
+        self.engine, self.event = engine, event
+        self._running = threading.Lock()
+        self._last = -self.EVERY_S
+
+    def __call__(self, jobs: object, cares: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.EVERY_S or self._running.locked():
+            return
+        self._last = now
+        pending = Moves(self.engine.records).unfinished()
+        if pending:
+            threading.Thread(target=self._take_up, args=(pending,), name="torpor-moves", daemon=True).start()
+
+    def _take_up(self, pending: list[tuple[str, str]]) -> None:
+        with self._running:
+            for job, peer in pending:
+                try:
+                    with moving(self.engine, job):
+                        link = PeerAgent(Peers(self.engine.records).get(peer))
+                        try:
+                            done = carry_on(self.engine, job, link)
+                        finally:
+                            link.close()
+                except WrongState:
+                    continue  # a 'torpor migrate' of it runs now: it is that one's to finish
+                except TorporError as exc:
+                    log.info("%s: the cut-off move to %s is not finished yet: %s", job, peer, exc.message)
+                    continue
+                if done is not None:
+                    self.event(job, "moved", f"a cut-off move finished: handed over to peer {peer}")
+                else:
+                    self.event(
+                        job, "stay", f"a cut-off move to peer {peer} undone: the job is this machine's"
+                    )

@@ -126,6 +126,7 @@ class Agent:
         self.last_evacuation: EvacuationReport | None = None
         #: called each round with the jobs as read (the wake-on-connect keeper hooks in here)
         self.round_hooks: list[Callable[[list[Job], dict[JobName, Care]], None]] = []
+        self.round_hooks.append(abroad.CutOffMoves(self.engine, self.event))
         #: called with a job's name before anyone restores it through the agent (the keeper lets go of
         #: the ports it holds for it: the restored job's listening sockets need them)
         self.before_restore: list[Callable[[JobName], None]] = []
