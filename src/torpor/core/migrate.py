@@ -13,7 +13,9 @@ import fcntl
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,6 +105,8 @@ class PeerLink(Protocol):
 
 #: at most this many bytes of chunks in one request
 BATCH_BYTES = 32 << 20
+#: at most this many requests of chunks at once
+IN_FLIGHT = 2
 
 
 @dataclass
@@ -230,23 +234,39 @@ def finish(engine: Engine, name: str, gen: int, peer: str) -> None:
 
 
 def _send(repo: Repository, link: PeerLink, job: str, checkpoint_id: str, learnt: set[str]) -> dict[str, int]:
-    """Send the chunks of ``checkpoint_id`` the peer lacks, in batches; what was sent."""
+    """Send the chunks of ``checkpoint_id`` the peer lacks, in batches; what was sent. Batches are read
+    here (each chunk decrypted and verified) while up to :data:`IN_FLIGHT` others travel and are stored
+    there: the three overlap."""
     manifest = repo.manifest(checkpoint_id)
     offered = sorted({str(chunk) for chunk in manifest.chunk_ids()} - learnt)
     lacking = link.missing(job, offered) if offered else []
     sent = {"chunks": 0, "bytes": 0}
-    batch: list[bytes] = []
-    for frame in transfer.frames(repo, manifest, lacking):
-        batch.append(frame)
-        sent["chunks"] += 1
-        sent["bytes"] += len(frame)
-        if sum(map(len, batch)) >= BATCH_BYTES:
-            link.send_chunks(job, b"".join(batch))
-            batch = []
-    if batch:
-        link.send_chunks(job, b"".join(batch))
+    with ThreadPoolExecutor(IN_FLIGHT, "torpor-send") as senders:
+        travelling: deque[Future[None]] = deque()
+        for body, count in _batches(transfer.frames(repo, manifest, lacking)):
+            if len(travelling) == IN_FLIGHT:
+                travelling.popleft().result()  # a failed batch fails the move here
+            travelling.append(senders.submit(link.send_chunks, job, body))
+            sent["chunks"] += count
+            sent["bytes"] += len(body)
+        for each in travelling:
+            each.result()
     learnt.update(manifest.chunk_ids())
     return sent
+
+
+def _batches(frames: Iterator[bytes]) -> Iterator[tuple[bytes, int]]:
+    """``frames`` joined in bodies of about :data:`BATCH_BYTES`, each with how many frames it holds."""
+    batch: list[bytes] = []
+    size = 0
+    for frame in frames:
+        batch.append(frame)
+        size += len(frame)
+        if size >= BATCH_BYTES:
+            yield b"".join(batch), len(batch)
+            batch, size = [], 0
+    if batch:
+        yield b"".join(batch), len(batch)
 
 
 def _send_log(link: PeerLink, job: str, log: Path) -> None:
