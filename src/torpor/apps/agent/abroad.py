@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from torpor.apps.agent.peering import ask, client_of
 from torpor.core.context import Progress, quiet
@@ -28,11 +29,22 @@ from torpor.core.engine import Engine
 from torpor.core.migrate import Moved, carry_on, job_facts, move, moving
 from torpor.core.moves import Moves
 from torpor.core.peers import Peers, this_machine
-from torpor.core.recordtypes import Peer
+from torpor.core.recordtypes import JobName, Peer
 from torpor.errors import EnvironmentProblem, TorporError, WrongState
 from torpor.policy import migration, placement
 
 log = logging.getLogger("torpor.agent")
+
+
+class Acting(Protocol):
+    """What :func:`evacuate_one` needs of the agent (:class:`torpor.apps.agent.service.Agent`)."""
+
+    engine: Engine
+
+    def acting(self, name: JobName, action: str) -> AbstractContextManager[None]: ...
+    def event(self, job: str | None, action: str, reason: str, **detail: object) -> None: ...
+
+
 #: how long one call of a move may wait for the peer (a batch of chunks over a slow link, a restore
 #: there): a cut network fails the call after this long
 TRANSFER_TIMEOUT_S = 120.0
@@ -151,16 +163,29 @@ def _memory(engine: Engine, name: str) -> int:
         return 0
 
 
-def move_to(engine: Engine, name: str, peer: str) -> Moved:
-    """Move the running job ``name`` to ``peer`` as ``torpor migrate`` does (refused, or aborted before
-    the hand-over: the job runs here again, and TorporError says why)."""
-    return relocate(engine, name, Peers(engine.records).get(peer))
-
-
-def handed_over(engine: Engine, name: str) -> bool:
-    """Whether a move of ``name`` that failed left it the peer's (committed, the peer not told to go):
-    it must not be hibernated or resumed here, and the next ``torpor migrate`` finishes the move."""
-    return Moves(engine.records).held(name) is not None
+def evacuate_one(
+    agent: Acting, name: JobName, by: str, peer: str, stayed: dict[str, str]
+) -> dict[str, Any] | None:
+    """An evacuation's move of the running job ``name`` to ``peer``: what the report says of it, or None
+    if it stays (why, in ``stayed``): the evacuation hibernates it here instead. A move that failed after
+    its commit raises: the job is the peer's, hibernated here, and the next ``torpor migrate`` (or this
+    agent, :class:`CutOffMoves`) hands it over. The job is the agent's busy one meanwhile: no periodic
+    checkpoint or idle hibernation of it starts."""
+    with agent.acting(name, "move"):
+        try:
+            moved = relocate(agent.engine, name, Peers(agent.engine.records).get(peer))
+        except TorporError as exc:
+            said = "; ".join([exc.message, *exc.details])
+            if Moves(agent.engine.records).held(name) is not None:  # committed: the peer's now
+                raise EnvironmentProblem(said) from exc
+            stayed[name] = said
+            agent.event(name, "stay", f"evacuation ({by}): not moved to {peer}: {exc.message}")
+            return None
+    sent = sum(r["bytes"] for r in moved.rounds)
+    agent.event(
+        name, "moved", f"evacuation ({by}): to peer {peer}", stopped_s=moved.stopped_s, sent_bytes=sent
+    )
+    return {"moved_to": peer, "stopped_s": moved.stopped_s, "sent_bytes": sent, "at": time.time()}
 
 
 class CutOffMoves:

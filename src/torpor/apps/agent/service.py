@@ -11,12 +11,13 @@ The decisions are :mod:`torpor.policy`'s (:mod:`~torpor.policy.periodic`, :mod:`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from torpor.core.engine import Engine
 from torpor.core.moves import Moves
 from torpor.core.recordtypes import Care, Checkpoint, Job, JobName, JobState
 from torpor.core.store import DURABLE
-from torpor.errors import EnvironmentProblem, TorporError, UsageError
+from torpor.errors import TorporError, UsageError
 from torpor.policy import evacuation, idle, periodic
 from torpor.policy.jobpolicy import JobPolicy, format_duration
 from torpor.policy.notices import Notice
@@ -98,7 +99,7 @@ class EvacuationReport:
             "saved": self.saved,
             "failed": self.failed,
             "pending": self.pending,
-            "stayed": self.stayed,
+            "stayed": dict(self.stayed),  # moves still under way may add to it
             "summary": self.summary,
         }
 
@@ -257,6 +258,19 @@ class Agent:
     def is_busy(self, name: JobName) -> bool:
         with self._guard:
             return name in self._busy
+
+    @contextlib.contextmanager
+    def acting(self, name: JobName, action: str) -> Iterator[None]:
+        """``name`` is busy with ``action`` in this thread for the block: no action of the rounds starts."""
+        with self._guard:
+            mine = name not in self._busy
+            self._busy.setdefault(name, action)
+        try:
+            yield
+        finally:
+            if mine:
+                with self._guard:
+                    self._busy.pop(name, None)
 
     def submit(
         self, name: JobName, action: str, reason: str, work: Callable[[JobName], dict[str, Any]]
@@ -478,24 +492,10 @@ class Agent:
             time.sleep(0.1)
             job = self.records.job(name)
         if job.state == JobState.RUNNING and peer is not None:
-            try:
-                moved = abroad.move_to(self.engine, name, peer)
-            except TorporError as exc:
-                if abroad.handed_over(self.engine, name):  # the peer's now, hibernated here
-                    raise EnvironmentProblem("; ".join([exc.message, *exc.details])) from exc
-                report.stayed[name] = "; ".join([exc.message, *exc.details])
-                self.event(name, "stay", f"evacuation ({by}): not moved to {peer}: {exc.message}")
-                job = self.records.job(name)  # running here again, or hibernated if its resume failed
-            else:
-                sent = sum(r["bytes"] for r in moved.rounds)
-                self.event(
-                    name,
-                    "moved",
-                    f"evacuation ({by}): to peer {peer}",
-                    stopped_s=moved.stopped_s,
-                    sent_bytes=sent,
-                )
-                return {"moved_to": peer, "stopped_s": moved.stopped_s, "sent_bytes": sent, "at": time.time()}
+            moved = abroad.evacuate_one(self, name, by, peer, report.stayed)
+            if moved is not None:
+                return moved
+            job = self.records.job(name)  # running here again, or hibernated if its resume failed
         if job.state == JobState.RUNNING:
             checkpoint = self.hibernate(name, by)
             self.event(name, "hibernate", f"evacuation ({by})", **checkpoint_costs(checkpoint))
