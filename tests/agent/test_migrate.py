@@ -4,9 +4,12 @@ TLS on a second node: a network namespace of the test's own, joined by a veth pa
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +143,11 @@ def test_a_peer_killed_at_each_step_leaves_one_copy_and_the_move_ends_once_it_is
         torpor.run("rm", "--force", "c", check=False)
 
 
-@pytest.mark.root("to make a network namespace and a veth pair")
-def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_with_one_copy_once_mended(
-    torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    netns, cable, address = node
+@contextlib.contextmanager
+def node_agent(torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str]) -> Iterator[None]:
+    """``other``'s agent in the second node's network namespace, serving TLS on its address, added to
+    ``torpor``'s peers as ``node2``; stopped after."""
+    netns, _, address = node
     cert, key = certificate(tmp_path, address)
     token = secret(tmp_path / "token")
     port = free_port()
@@ -152,48 +155,108 @@ def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_wit
         "ip", "netns", "exec", netns, TORPOR, "agent", "--round", "200ms", "--listen", f"{address}:{port}",
         "--token-file", str(token), "--tls-cert", str(cert), "--tls-key", str(key), "--memory-budget", "2G",
     ]  # fmt: skip
+    add = [
+        "peers",
+        "add",
+        "node2",
+        f"https://{address}:{port}",
+        "--token-file",
+        str(token),
+        "--ca-file",
+        str(cert),
+    ]
     with open(tmp_path / "node-agent.log", "wb") as log:
         agent = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=other.env
         )
-    engine = engine_of(torpor, monkeypatch)
     try:
-        url = f"https://{address}:{port}"
         torpor.wait_for(
-            lambda: (
-                torpor.run(
-                    "peers",
-                    "add",
-                    "node2",
-                    url,
-                    "--token-file",
-                    str(token),
-                    "--ca-file",
-                    str(cert),
-                    check=False,
-                ).returncode
-                == 0
-            ),
-            30,
-            "the node's agent to answer",
+            lambda: torpor.run(*add, check=False).returncode == 0, 30, "the node's agent to answer"
         )
-        torpor.run("run", "--name", "c", *python_job("counter.py"))
-        torpor.wait_log("c", "step 2")
-        link = PeerAgent(Peers(engine.records).get("node2"), timeout_s=10)  # a cut fails a call in 10 s
-        with pytest.raises(TorporError) as cut:
-            move(engine, "c", Before(link, "go", lambda: ip("link", "set", cable, "down")))  # type: ignore[arg-type]
-        assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
-        assert torpor.job("c")["state"] == "hibernated"
-        left = steps(torpor.log("c"))
-        ip("link", "set", cable, "up")  # mended: the next migrate hands it over
-        finished = torpor.run("migrate", "c", "--to", "node2")
-        assert "moved job 'c' to peer node2" in finished.stdout
-        handed_over(torpor, other, "node2", left)
+        yield
     finally:
         agent.terminate()
         agent.wait(30)
+
+
+@pytest.mark.root("to make a network namespace and a veth pair")
+def test_a_job_moves_to_another_node_over_tls_and_a_cut_cable_before_go_ends_with_one_copy_once_mended(
+    torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cable = node[1]
+    engine = engine_of(torpor, monkeypatch)
+    try:
+        with node_agent(torpor, other, tmp_path, node):
+            torpor.run("run", "--name", "c", *python_job("counter.py"))
+            torpor.wait_log("c", "step 2")
+            link = PeerAgent(Peers(engine.records).get("node2"), timeout_s=10)  # a cut fails a call in 10 s
+            with pytest.raises(TorporError) as cut:
+                move(engine, "c", Before(link, "go", lambda: ip("link", "set", cable, "down")))  # type: ignore[arg-type]
+            assert any("it stays hibernated here, its image kept" in line for line in cut.value.details)
+            assert torpor.job("c")["state"] == "hibernated"
+            left = steps(torpor.log("c"))
+            ip("link", "set", cable, "up")  # mended: the next migrate hands it over
+            finished = torpor.run("migrate", "c", "--to", "node2")
+            assert "moved job 'c' to peer node2" in finished.stdout
+            handed_over(torpor, other, "node2", left)
+    finally:
         other.run("rm", "--force", "c", check=False)
         torpor.run("rm", "--force", "c", check=False)
+
+
+def redis(address: str, port: int, *commands: list[str]) -> list[bytes]:
+    """Each of ``commands`` sent to the redis server at ``address:port`` (RESP), its reply's first line."""
+    replies = []
+    with socket.create_connection((address, port), timeout=10) as connection:
+        stream = connection.makefile("rwb")
+        for command in commands:
+            stream.write(f"*{len(command)}\r\n".encode())
+            for word in command:
+                stream.write(f"${len(word.encode())}\r\n{word}\r\n".encode())
+            stream.flush()
+            line = stream.readline().rstrip(b"\r\n")
+            if line.startswith(b"$") and line != b"$-1":
+                line = stream.readline().rstrip(b"\r\n")
+            replies.append(line)
+    return replies
+
+
+@pytest.mark.root("to make a network namespace and a veth pair")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs redis-server (scripts/install-programs.sh)"
+)
+def test_a_redis_server_with_a_client_moves_with_drop_connections_and_answers_on_the_node_with_its_keys(
+    torpor: Torpor, other: Torpor, tmp_path: Path, node: tuple[str, str, str]
+) -> None:
+    address = node[2]
+    port = free_port()
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server = ["redis-server", "--port", str(port), "--bind", "0.0.0.0", "--protected-mode", "no"]
+    server += ["--save", "", "--appendonly", "no", "--dir", str(folder)]
+    try:
+        with node_agent(torpor, other, tmp_path, node):
+            torpor.run("run", "--name", "r", "--", *server)
+            torpor.wait_for(lambda: "Ready to accept connections" in torpor.log("r"), 30, "redis to start")
+            keys = [["SET", f"key{n}", f"value {n}"] for n in range(100)]
+            assert set(redis("127.0.0.1", port, *keys)) == {b"+OK"}
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as client:  # a connection it keeps
+                refused = torpor.run("migrate", "r", "--to", "node2", check=False)
+                assert refused.returncode == 3 and f"127.0.0.1:{port} -> 127.0.0.1:" in refused.stderr, (
+                    refused.stderr
+                )
+                assert torpor.job("r")["state"] == "running"
+                moved = torpor.run("migrate", "r", "--to", "node2", "--drop-connections")
+                assert "moved job 'r' to peer node2" in moved.stdout, moved.stderr
+                client.settimeout(30)
+                with contextlib.suppress(ConnectionResetError, TimeoutError):
+                    assert client.recv(1) == b""  # its connection is gone with it
+            assert other.job("r")["state"] == "running" and torpor.job("r")["moved_to"] == "node2"
+            # on the node's address, with every key
+            assert redis(address, port, ["GET", "key42"], ["DBSIZE"]) == [b"value 42", b":100"]
+    finally:
+        other.run("rm", "--force", "r", check=False)
+        torpor.run("rm", "--force", "r", check=False)
 
 
 #: a 'torpor migrate' of job c to peer b that dies (SIGKILL's exit) just before the job's records reach b
