@@ -107,7 +107,7 @@ class Node:
             if not overlapping(subnet, routed):
                 break
         tag = uuid.uuid4().hex[:6]
-        self.netns, self.link = f"torpor-bench-{tag}", f"tbm{tag}"
+        self.netns, self.link = f"tbench-{tag}", f"tbm{tag}"  # not torpor-*: the jobs' own
         self.mine, self.address = (str(a) for a in subnet.hosts())
         self.work = work
         self.agent: subprocess.Popen[bytes] | None = None

@@ -214,7 +214,7 @@ def node() -> Iterator[tuple[str, str, str]]:
         if not overlapping(subnet, routed):
             break
     tag = uuid.uuid4().hex[:6]
-    netns, here, there = f"torpor-peer-{tag}", f"tpa{tag}", f"tpb{tag}"
+    netns, here, there = f"tpeer-{tag}", f"tpa{tag}", f"tpb{tag}"  # not torpor-*: the jobs' own
     mine, its = (str(a) for a in subnet.hosts())
     ip("netns", "add", netns)
     try:
