@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +47,12 @@ class AgentProcess:
     def socket(self) -> Path:
         return self.torpor.home / "agent.sock"
 
-    def start(self, *flags: str) -> AgentProcess:
+    def start(self, *flags: str, prefix: Sequence[str] = ()) -> AgentProcess:
+        """``torpor agent FLAGS…`` (run by ``prefix``, a command that runs the rest, if given)."""
         assert self.process is None or self.process.poll() is not None, "an agent runs already"
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [TORPOR, "agent", "--round", "200ms", *flags],
+                [*prefix, TORPOR, "agent", "--round", "200ms", *flags],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -157,21 +158,24 @@ class LoopbackPeer:
 
     agent: AgentProcess
     flags: tuple[str, ...]
+    prefix: tuple[str, ...] = ()
 
     def start(self) -> None:
         """(Again, after a kill.)"""
-        self.agent.start(*self.flags)
+        self.agent.start(*self.flags, prefix=self.prefix)
 
 
-def loopback_peer(here: Torpor, peer: Torpor, name: str, folder: Path, budget: str = "2G") -> LoopbackPeer:
+def loopback_peer(
+    here: Torpor, peer: Torpor, name: str, folder: Path, budget: str = "2G", prefix: Sequence[str] = ()
+) -> LoopbackPeer:
     """``peer``'s agent started on a loopback port, handing out ``budget``, added to ``here``'s peers as
-    ``name``. The test closes its ``agent``."""
+    ``name`` (run by ``prefix``: :meth:`AgentProcess.start`). The test closes its ``agent``."""
     token = folder / f"{name}.token"
     token.write_text(uuid.uuid4().hex + "\n")
     token.chmod(0o600)
     port = free_port()
     flags = ("--listen", f"127.0.0.1:{port}", "--token-file", str(token), "--memory-budget", budget)
-    found = LoopbackPeer(AgentProcess(peer, folder / f"{name}-agent.log"), flags)
+    found = LoopbackPeer(AgentProcess(peer, folder / f"{name}-agent.log"), flags, tuple(prefix))
     found.start()
     here.run("peers", "add", name, f"http://127.0.0.1:{port}", "--token-file", str(token))
     return found

@@ -76,6 +76,68 @@ def test_a_move_the_peer_refuses_leaves_the_job_running_here_and_nothing_there(
         torpor.run("rm", "--force", "c", check=False)
 
 
+def empty_there(folder: Path) -> list[str]:
+    """A command prefix: what it runs sees ``folder`` empty (a tmpfs, in a mount namespace of its own)."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(folder)]  # fmt: skip
+
+
+@pytest.mark.root("to give the peer's agent a mount namespace of its own")
+def test_the_files_a_job_writes_go_with_it_to_a_peer_that_has_not_them_and_it_writes_on_there(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    # the peer's agent sees a folder of its own at work/ (an empty tmpfs in a mount namespace of its
+    # own): what the job wrote there on this machine is not on the peer until the move carries it
+    work = tmp_path / "work"
+    work.mkdir()
+    served = loopback_peer(torpor, other, "b", tmp_path, prefix=empty_there(work))
+    peer = served.agent
+    assert peer.process is not None
+    there = Path(f"/proc/{peer.process.pid}/root") / work.relative_to("/")  # work/ as the peer sees it
+    try:
+        assert list(there.iterdir()) == []
+        torpor.run("run", "--name", "c", *python_job("writer.py", str(work / "metrics.txt")))
+        torpor.wait_log("c", "step 5")
+        check = torpor.json("migrate", "c", "--to", "b", "--check")
+        assert check["may_move"] and check["written_files"] == [str(work / "metrics.txt")], check
+        moved = torpor.run("migrate", "c", "--to", "b")
+        assert "1 file(s) it writes carried" in moved.stdout, moved.stdout
+        assert "sending 1 file it writes" in moved.stderr
+        left = steps(torpor.log("c"))
+        counts_on(other, "c", left)
+
+        # the peer's copy holds every line once: the job wrote on into it from where it stopped here
+        lines = (there / "metrics.txt").read_text().splitlines()
+        assert lines == [f"line {n}" for n in range(len(lines))] and len(lines) > len(left), lines
+        assert (work / "metrics.txt").read_text().splitlines() == [
+            f"line {n}" for n in left
+        ]  # here: as it stopped
+        assert (there / "metrics.txt").stat().st_mode & 0o777 == (work / "metrics.txt").stat().st_mode & 0o777
+    finally:
+        peer.close()
+        other.run("rm", "--force", "c", check=False)
+        torpor.run("rm", "--force", "c", check=False)
+
+
+@pytest.mark.root("to give the peer's agent a mount namespace of its own")
+def test_a_file_the_job_writes_whose_folder_the_peer_lacks_refuses_the_move_before_the_freeze(
+    torpor: Torpor, other: Torpor, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    peer = loopback_peer(torpor, other, "b", tmp_path, prefix=empty_there(work)).agent
+    try:
+        (work / "out").mkdir()  # here, not in the peer's empty work/
+        torpor.run("run", "--name", "c", *python_job("writer.py", str(work / "out" / "m.txt")))
+        torpor.wait_log("c", "step 2")
+        refused = torpor.run("migrate", "c", "--to", "b", check=False)
+        assert refused.returncode == 3, refused.stderr
+        assert f"the folder of a file the job writes is not on peer b: {work}/out/m.txt" in refused.stderr
+        assert torpor.job("c")["state"] == "running" and other.json("ps") == []
+    finally:
+        peer.close()
+        torpor.run("rm", "--force", "c", check=False)
+
+
 def handed_over(source: Torpor, there: Torpor, peer: str, before: list[int]) -> None:
     """Job c runs on ``there`` (the peer ``peer``) and counts on from ``before``; ``source`` says it moved."""
     assert there.job("c")["state"] == "running" and source.json("ps")[0]["moved_to"] == peer

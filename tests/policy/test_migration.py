@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torpor.policy.migration import Job, Peer, refusals
+from torpor.policy.migration import Job, Peer, WrittenThere, may_create, refusals, to_carry
 
 GIB = 2**30
 HERE = {"arch": "x86_64", "criu": "4.2"}
@@ -53,3 +53,40 @@ def test_connections_may_be_dropped_when_the_user_says_so() -> None:
 def test_many_missing_files_are_named_three_and_counted() -> None:
     job = Job("j", 1, read_files={f"/f{i}": (1, 1) for i in range(5)})
     assert refusals(job, Peer("b", None, NODE), HERE) == ["not on peer b: /f0, /f1, /f2 and 2 more"]
+
+
+def test_a_file_the_job_writes_needs_its_folder_on_the_peer_and_no_other_users_file_there() -> None:
+    user = (1000, 1000)
+    paths = ["/out/a.csv", "/out/b.db", "/gone/c", "/out/d", "/link/e", "/etc/f"]
+    job = Job("j", 1, written_files=dict.fromkeys(paths, user))
+    theirs = (1000, 1000, 0o755)
+    there = {
+        "/out/a.csv": WrittenThere(folder=True, folder_stat=theirs),  # not there yet: it is carried
+        "/out/b.db": WrittenThere(folder=True, owner=1000, folder_stat=theirs),  # the job's own: replaced
+        "/gone/c": WrittenThere(folder=False),
+        "/out/d": WrittenThere(folder=True, owner=0, folder_stat=theirs),
+        "/link/e": WrittenThere(folder=True, plain=False, folder_stat=theirs),  # /link -> /etc there
+        "/etc/f": WrittenThere(folder=True, folder_stat=(0, 0, 0o755)),  # root's folder
+    }
+    assert refusals(job, Peer("b", None, NODE, written=there), HERE) == [
+        "the folder of a file the job writes is not on peer b: /gone/c",
+        "a file the job writes is reached through a symbolic link on peer b: /link/e",
+        "a file the job writes is another user's on peer b (it would be replaced): /out/d",
+        "the folder of a file the job writes is not its owner's to write in on peer b: /etc/f",
+    ]
+    # a peer that said nothing of a file: its folder is not known to be there
+    assert refusals(job, Peer("b", None, NODE), HERE)[0].startswith("the folder of a file the job writes")
+
+
+def test_the_files_carried_are_those_the_peer_has_not_the_same() -> None:
+    here = {"/shared/log.csv": (10, 5), "/local/out": (7, 3), "/local/new": (1, 1)}
+    there = {"/shared/log.csv": (10, 5), "/local/out": (7, 2), "/local/new": None}
+    assert to_carry(here, there) == ["/local/new", "/local/out"]
+    assert to_carry({}, there) == []
+
+
+def test_a_carried_file_goes_only_where_its_owner_could_have_made_it() -> None:
+    assert may_create(0, 0, (5, 5, 0o700))  # root: anywhere
+    assert may_create(7, 7, (7, 0, 0o700)) and not may_create(7, 7, (7, 0, 0o500))  # its own folder
+    assert may_create(7, 9, (0, 9, 0o770)) and not may_create(7, 9, (0, 9, 0o750))  # its group's
+    assert may_create(7, 7, (0, 0, 0o1777)) and not may_create(7, 7, (0, 0, 0o755))  # /tmp, not /etc

@@ -38,6 +38,7 @@ def cmd_migrate(engine: Engine, args: argparse.Namespace) -> int:
         f"job '{job.name}' could move to peer {peer.name}: {human_bytes(job.memory)} fit there, its "
         f"{len(job.read_files)} program and read-only files are the same there"
         + (f", its ports {', '.join(map(str, job.listens))} are free" if job.listens else "")
+        + (f"; the {len(job.written_files)} file(s) it writes go with it" if job.written_files else "")
         + (f"; {len(job.connections)} connection(s) would be reset" if job.connections else "")
     )
     return 0
@@ -51,6 +52,7 @@ def _said(done: Moved, args: argparse.Namespace) -> int:
         print(
             f"moved job '{done.job}' to peer {done.peer}: {human_bytes(sent)} sent in {len(done.rounds)} "
             f"round(s), stopped {done.stopped_s:.2f} s"
+            + (f", {len(done.files)} file(s) it writes carried" if done.files else "")
             + ("" if done.answer.get("restored") else "; it is hibernated there")
         )
     return 0
@@ -64,6 +66,7 @@ def _report(job: migration.Job, peer: str, refusals: list[str]) -> dict[str, Any
         "refusals": refusals,
         "memory": job.memory,
         "read_files": len(job.read_files),
+        "written_files": sorted(job.written_files),
         "listens": list(job.listens),
         "connections": list(job.connections),
         "gpu": job.gpu,

@@ -11,14 +11,17 @@ over (:meth:`Arrivals.go`; the agent resumes it then), or it is dropped (:meth:`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from torpor.adapters.system import private
+from torpor.core import rewind
 from torpor.core.engine import Engine
 from torpor.core.moves import Moves
 from torpor.core.naming import check_name
@@ -27,10 +30,13 @@ from torpor.core.rewind import STOPPED_FILE
 from torpor.core.store import TieredStore
 from torpor.core.store.repository import Repository
 from torpor.core.store.transfer import Receiver
-from torpor.errors import StoreError, UsageError, WrongState
-from torpor.policy import handoff
+from torpor.errors import EnvironmentProblem, StoreError, UsageError, WrongState
+from torpor.policy import handoff, migration
 from torpor.policy.handoff import Action, Source
 from torpor.policy.jobpolicy import JobPolicy
+
+#: at most this many files the job writes come with it
+MAX_FILES = 10_000
 
 
 class Arrivals:
@@ -90,6 +96,22 @@ class Arrivals:
                 )
             out.write(data)
 
+    def put_file(self, job: str, index: int, offset: int, data: bytes) -> None:
+        """A piece of the ``index``-th file the job writes (as the arrival's ``files`` will name it), at
+        ``offset`` (0 starts it anew). It stays here, aside, until the job is handed over."""
+        self._refuse_if_taken(job)
+        if not 0 <= index < MAX_FILES:
+            raise UsageError(f"file index {index} is out of range (a job carries at most {MAX_FILES} files)")
+        folder = self.staging(job) / "files"
+        private.make_private_dirs(folder)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0)
+        with os.fdopen(private.open_private(folder / str(index), flags), "wb") as out:
+            if out.seek(0, os.SEEK_END) != offset:
+                raise UsageError(
+                    f"file {index} of '{job}' is {out.tell()} bytes here, not {offset}: send it again"
+                )
+            out.write(data)
+
     # -- the records, the hand-off ----------------------------------------------------------------------
 
     def arrive(self, job: str, gen: int, source: str, spec: dict[str, Any]) -> None:
@@ -100,6 +122,7 @@ class Arrivals:
             raise WrongState(
                 f"job '{job}' of generation {gen} is not taken here: a later one came, or it was dropped"
             )
+        files = self._staged_files(job, spec.get("files") or [])
         receiver = self.receiver(job)
         checkpoints = [_checkpoint(job, each) for each in spec["checkpoints"]]
         for record, each in zip(checkpoints, spec["checkpoints"], strict=True):
@@ -127,6 +150,7 @@ class Arrivals:
             self.records.set_policy(name, JobPolicy.from_dict(spec["policy"]))
         if spec.get("stopped"):
             (job_dir / STOPPED_FILE).write_text(json.dumps(spec["stopped"]))
+        private.write_private(self.staging(job) / "files.json", json.dumps(files).encode())
         with self.records.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO moved_images(checkpoint, log_path) VALUES (?,?)",
@@ -135,7 +159,13 @@ class Arrivals:
 
     def go(self, job: str, gen: int) -> None:
         """The source hands ``job`` over: it is this machine's now (sent again: it was already).
-        WrongState if that generation did not arrive here; the caller resumes the job."""
+        WrongState if that generation did not arrive here; the caller resumes the job.
+
+        The files the job writes that came with it are put in their places first: one that cannot be
+        fails the hand-off (the source keeps the job and asks again), and none is put twice."""
+        incoming, _ = self.moves.incoming(job)
+        if handoff.peer_on_go(incoming, gen)[1] == Action.RUN:
+            self._place_files(job, gen)
         action = self.moves.go(job, gen)
         if action == Action.NOTHING:
             raise WrongState(f"job '{job}' of generation {gen} did not arrive here (or was dropped)")
@@ -152,6 +182,48 @@ class Arrivals:
         self._drop_records(job)
         self._forget_chunks(job)
         return True
+
+    # -- the files the job writes ----------------------------------------------------------------------
+
+    def _staged_files(self, job: str, files: list[Any]) -> list[dict[str, Any]]:
+        """The arrival's ``files``, checked: each an absolute path outside torpor's own folder, sent
+        whole (its staged copy has its size). UsageError naming the first that is not."""
+        if len(files) > MAX_FILES:
+            raise UsageError(f"a job carries at most {MAX_FILES} files, not {len(files)}")
+        home = os.path.realpath(self.engine.settings.home)
+        checked = []
+        for index, entry in enumerate(files):
+            try:
+                path = str(entry["path"])
+                each = {
+                    "path": path,
+                    "size": int(entry["size"]),
+                    "mtime_ns": int(entry["mtime_ns"]),
+                    "mode": int(entry["mode"]) & 0o7777,
+                    "uid": int(entry["uid"]),
+                    "gid": int(entry["gid"]),
+                }
+            except (KeyError, TypeError, ValueError):
+                raise UsageError(f"file {index} of '{job}' is not described as a carried file is") from None
+            if not path.startswith("/") or "\0" in path or os.path.normpath(path) != path:
+                raise UsageError(f"a carried file's path must be absolute and plain, not {path!r}")
+            if path == home or path.startswith(home + "/"):
+                raise UsageError(f"a carried file may not be in torpor's own folder: {path}")
+            staged = self.staging(job) / "files" / str(index)
+            if not staged.is_file() or staged.stat().st_size != each["size"]:
+                raise UsageError(f"{path} did not arrive whole ({each['size']} bytes): send it again")
+            checked.append(each)
+        return checked
+
+    def _place_files(self, job: str, gen: int) -> None:
+        """Put each carried file in its place (a copy beside it, then renamed over it: a file there is
+        replaced whole or not at all), with its owner, mode and modification time from the source; then
+        the job's record of its files at the hibernation names them as they are here."""
+        listed = self.staging(job) / "files.json"
+        files = json.loads(listed.read_bytes()) if listed.exists() else []
+        for index, each in enumerate(files):
+            _place(Path(each["path"]), self.staging(job) / "files" / str(index), each, gen)
+        rewind.adopt_stopped(self.engine.settings.job_dir(job))
 
     # -- helpers --------------------------------------------------------------------------------------
 
@@ -185,6 +257,42 @@ class Arrivals:
         with self.records.transaction() as db:
             db.execute("DELETE FROM arrival_chunks WHERE job=?", (job,))
         shutil.rmtree(self.engine.settings.home / "arrivals" / job, ignore_errors=True)
+
+
+def _place(path: Path, staged: Path, each: dict[str, Any], gen: int) -> None:
+    try:
+        there = path.lstat()
+    except FileNotFoundError:
+        there = None
+    if there is not None and there.st_uid != each["uid"]:
+        raise WrongState(f"{path} belongs to another user here: the job's file is not put over it")
+    try:
+        folder = path.parent.stat()
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot put {path} in its place here: {exc.strerror}") from exc
+    if os.path.realpath(path.parent) != str(path.parent):
+        raise WrongState(f"{path} is reached through a symbolic link here: the job's file is not put there")
+    if not migration.may_create(
+        each["uid"], each["gid"], (folder.st_uid, folder.st_gid, stat.S_IMODE(folder.st_mode))
+    ):
+        raise WrongState(f"{path.parent} is not the job's user's to write in here: its file is not put there")
+    beside = path.with_name(f".{path.name}.torpor-{gen}")
+    with contextlib.suppress(FileNotFoundError):
+        beside.unlink()
+    try:
+        fd = os.open(beside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out, staged.open("rb") as source:
+            shutil.copyfileobj(source, out, 1 << 20)
+            out.flush()
+            os.fchown(fd, each["uid"], each["gid"])
+            os.fchmod(fd, each["mode"])
+            os.utime(fd, ns=(each["mtime_ns"], each["mtime_ns"]))
+            os.fsync(fd)
+        os.replace(beside, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            beside.unlink()
+        raise EnvironmentProblem(f"cannot put {path} in its place here: {exc.strerror}") from exc
 
 
 _CHECKPOINT_ID = re.compile(r"[0-9a-f]{6,64}")

@@ -12,9 +12,10 @@ import dataclasses
 import fcntl
 import json
 import os
+import stat
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,10 @@ from torpor.core.rewind import STOPPED_FILE
 from torpor.core.store import TieredStore, transfer
 from torpor.core.store.repository import Repository
 from torpor.errors import EnvironmentProblem, TorporError, WrongState
+from torpor.policy import migration
 from torpor.policy.handoff import Source
 from torpor.policy.migration import Job, Stamp
+from torpor.policy.scheduler.sizes import format_size
 
 #: what a peer is asked about at most (a job with more open files is unusual; the rest are not compared)
 MAX_LOOKED_AT = 10_000
@@ -57,7 +60,20 @@ def job_facts(engine: Engine, name: str) -> Job:
         listens=sorted({address.port for address in sockets.listening_sockets(pids)}),
         connections=sockets.established_connections(pids),
         gpu=procfs.uses_device(pids, NVIDIA_DEVICE_PREFIX),
+        written_files={path: (info.st_uid, info.st_gid) for path, info in written_by(pids, log).items()},
     )
+
+
+def written_by(pids: list[int], log: str) -> dict[str, os.stat_result]:
+    """The regular files ``pids`` write (open for writing, or mapped shared and writable) with their
+    ``stat``, but the job's log (which a move sends by itself)."""
+    found = {}
+    for path in procfs.written_files(pids):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            info = os.stat(path)
+            if path != log and stat.S_ISREG(info.st_mode):
+                found[path] = info
+    return found
 
 
 def stamps(paths: Iterable[str]) -> dict[str, Stamp | None]:
@@ -74,15 +90,36 @@ def stamps(paths: Iterable[str]) -> dict[str, Stamp | None]:
     return found
 
 
-def look(paths: list[str], ports: list[int]) -> dict[str, Any]:
-    """What the peer answers ``POST /v1/arrivals/look``: the stamps of ``paths`` here (None: missing)
-    and which of ``ports`` a process of this network namespace listens on."""
-    if len(paths) > MAX_LOOKED_AT or len(ports) > MAX_LOOKED_AT:
+def look(paths: Sequence[str], ports: Sequence[int], written: Sequence[str] = ()) -> dict[str, Any]:
+    """What the peer answers ``POST /v1/arrivals/look``: the stamps of ``paths`` here (None: missing),
+    which of ``ports`` a process of this network namespace listens on, and for each of ``written`` (the
+    files the job writes) whether its folder is here and who owns a file at that path here."""
+    if max(len(paths), len(ports), len(written)) > MAX_LOOKED_AT:
         raise ValueError(f"at most {MAX_LOOKED_AT} files and ports are looked at")
     taken = sorted({port for port in ports if sockets.port_listeners(port)})
     return {
         "stamps": {path: list(stamp) if stamp else None for path, stamp in stamps(paths).items()},
         "ports_taken": taken,
+        "written": {path: _written_here(path) for path in written},
+    }
+
+
+def _written_here(path: str) -> dict[str, Any]:
+    """A file the job writes, as it is here (:class:`torpor.policy.migration.WrittenThere`)."""
+    try:
+        owner: int | None = os.lstat(path).st_uid
+    except OSError:
+        owner = None
+    folder = os.path.dirname(path)
+    try:
+        info = os.stat(folder)
+    except OSError:
+        return {"folder": False, "owner": owner}
+    return {
+        "folder": stat.S_ISDIR(info.st_mode),
+        "owner": owner,
+        "plain": os.path.realpath(path) == path,
+        "folder_stat": [info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)],
     }
 
 
@@ -98,6 +135,8 @@ class PeerLink(Protocol):
     def missing(self, job: str, chunks: list[str]) -> list[str]: ...
     def send_chunks(self, job: str, body: bytes) -> None: ...
     def send_log(self, job: str, offset: int, data: bytes) -> None: ...
+    def look(self, paths: list[str]) -> dict[str, Stamp | None]: ...
+    def send_file(self, job: str, index: int, offset: int, data: bytes) -> None: ...
     def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None: ...
     def go(self, job: str, gen: int, resume: bool, lazy: bool) -> dict[str, Any]: ...
     def abort(self, job: str, gen: int) -> None: ...
@@ -112,7 +151,8 @@ IN_FLIGHT = 2
 @dataclass
 class Moved:
     """What a move did: the generation, the chunks and bytes sent in each round, how long the job was
-    stopped here (from its hibernation to the peer's answer to *go*), and the peer's answer."""
+    stopped here (from its hibernation to the peer's answer to *go*), the peer's answer, and the files
+    the job writes that were carried."""
 
     job: str
     peer: str
@@ -120,6 +160,8 @@ class Moved:
     rounds: list[dict[str, int]] = field(default_factory=list)
     stopped_s: float = 0.0
     answer: dict[str, Any] = field(default_factory=dict)
+    #: the files the job writes that were sent (the peer had not the same)
+    files: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -191,6 +233,11 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
     engine.wait_durable(first.id)
     progress(f"sending it to peer {link.name}")
     done.rounds.append(_send(repo, link, job.name, first.id, learnt))
+    written = (
+        sorted(written_by(procfs.namespace_members(job.pid), os.path.realpath(job.log_path)))
+        if job.pid
+        else []
+    )
     done.gen = moves.start(job.name, link.name)
     stopped = time.monotonic()
     try:
@@ -202,7 +249,9 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
         for each in checkpoints:
             done.rounds.append(_send(repo, link, job.name, each.id, learnt))
         _send_log(link, job.name, Path(job.log_path))
-        link.arrive(job.name, done.gen, _spec(engine, job.name, checkpoints, repo))
+        files = _send_files(link, job.name, written, progress)
+        done.files = [each["path"] for each in files]
+        link.arrive(job.name, done.gen, {**_spec(engine, job.name, checkpoints, repo), "files": files})
     except TorporError as exc:
         _abort(engine, moves, link, job.name, done.gen, exc)
         raise
@@ -281,6 +330,43 @@ def _send_log(link: PeerLink, job: str, log: Path) -> None:
             offset += len(piece)
             if len(piece) < BATCH_BYTES:
                 return
+
+
+def _send_files(link: PeerLink, job: str, written: list[str], progress: Progress) -> list[dict[str, Any]]:
+    """Send the files the stopped job writes that the peer has not the same
+    (:func:`~torpor.policy.migration.to_carry`), each in pieces of at most :data:`BATCH_BYTES` and cut
+    to its size now (the job is gone: its size at the checkpoint, or later bytes the restore there cuts
+    back); what the peer is told of each (the ``files`` of the arrival)."""
+    here = {path: stamp for path, stamp in stamps(written).items() if stamp is not None}
+    carried = migration.to_carry(here, link.look(sorted(here)) if here else {})
+    if carried:
+        total = sum(here[path][0] for path in carried)
+        progress(
+            f"sending {len(carried)} file{'s' if len(carried) > 1 else ''} it writes ({format_size(total)})"
+        )
+    sent = []
+    for index, path in enumerate(carried):
+        with open(path, "rb") as source:
+            info = os.fstat(source.fileno())
+            size, offset = here[path][0], 0
+            while True:
+                piece = source.read(min(BATCH_BYTES, size - offset))
+                link.send_file(job, index, offset, piece)
+                offset += len(piece)
+                if offset >= size or not piece:
+                    break
+        sent.append(
+            {
+                "path": path,
+                "index": index,
+                "size": offset,
+                "mtime_ns": info.st_mtime_ns,
+                "mode": stat.S_IMODE(info.st_mode),
+                "uid": info.st_uid,
+                "gid": info.st_gid,
+            }
+        )
+    return sent
 
 
 def _spec(engine: Engine, name: str, checkpoints: list[Checkpoint], repo: Repository) -> dict[str, Any]:

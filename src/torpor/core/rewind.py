@@ -96,6 +96,24 @@ def record_stopped(job_dir: Path, checkpoint_id: CheckpointId, image_dir: Path) 
             (job_dir / STOPPED_FILE).unlink()
 
 
+def adopt_stopped(job_dir: Path) -> None:
+    """After the job came from another machine: each file of its record at the hibernation that is here
+    with the same size and modification time (carried, or shared) takes this machine's inode number, so
+    that a restore here takes it for the job's own file, not one someone else replaced."""
+    record = job_dir / STOPPED_FILE
+    try:
+        data = json.loads(record.read_bytes())
+        for path, recorded in data["files"].items():
+            state = file_state(Path(path))
+            if state is not None and (state.size, state.mtime_ns) == (recorded["size"], recorded["mtime_ns"]):
+                recorded["ino"] = state.ino
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no record (or not one this reads): a restore judges the files by the job's end time
+    temp = job_dir / (STOPPED_FILE + ".tmp")
+    private.write_private(temp, json.dumps(data).encode())
+    os.replace(temp, record)
+
+
 def load_stopped(job_dir: Path, checkpoint_id: CheckpointId | None) -> dict[str, policy.FileState]:
     """What :func:`record_stopped` recorded at hibernation ``checkpoint_id``; empty if not that one."""
     try:

@@ -7,7 +7,11 @@ accounting, ``free`` of ``GET /v1/node``); its architecture or CRIU differ (:fun
 differences`); a file the job reads is not there, or not the same (size and modification time); a port
 the job listens on is taken there; the job has established TCP connections, which cannot follow it to
 another address (unless the user lets them be reset: ``--drop-connections``); the job uses a GPU (not
-supported until the GPU stage lands).
+supported until the GPU stage lands); a file the job writes could not be put in its place there (its
+folder is missing, or another user owns the file there).
+
+The files the job writes are carried (:func:`to_carry`): each one the peer does not have the same (size
+and modification time) — a shared file system, or a copy made before — is sent once the job is stopped.
 
 Pure: what is known of the job and of both machines in, the reasons out (none: it may move).
 """
@@ -40,6 +44,35 @@ class Job:
     listens: Sequence[int] = ()
     connections: Sequence[str] = ()
     gpu: bool = False
+    #: the regular files it has open for writing, or mapped shared and writable -> their owner and
+    #: group here
+    written_files: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WrittenThere:
+    """A file the job writes, as the peer has it: whether its folder is there, reached without a
+    symbolic link, and that folder's owner, group and mode; who owns the file there (None: there is
+    no file at that path)."""
+
+    folder: bool
+    owner: int | None = None
+    plain: bool = True
+    folder_stat: tuple[int, int, int] = (0, 0, 0o755)
+
+
+def may_create(uid: int, gid: int, folder_stat: tuple[int, int, int]) -> bool:
+    """Whether user ``uid`` (group ``gid``) may make a file in a folder of (owner, group, mode), by its
+    mode bits (not its ACL, nor the user's other groups): a carried file is put only where its owner
+    could have put it."""
+    owner, group, mode = folder_stat
+    if uid == 0:
+        return True
+    if uid == owner:
+        return bool(mode & 0o300 == 0o300)
+    if gid == group:
+        return bool(mode & 0o030 == 0o030)
+    return bool(mode & 0o003 == 0o003)
 
 
 @dataclass(frozen=True)
@@ -52,6 +85,7 @@ class Peer:
     node: Mapping[str, Any] = field(default_factory=dict)
     stamps: Mapping[str, Stamp | None] = field(default_factory=dict)
     ports_taken: Sequence[int] = ()
+    written: Mapping[str, WrittenThere] = field(default_factory=dict)
 
 
 def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bool = False) -> list[str]:
@@ -82,12 +116,55 @@ def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bo
         found.append(
             f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} taken on peer {peer.name}"
         )
+    found += _written_refusals(job, peer)
     if job.connections and not drop_connections:
         found.append(
             f"established TCP connections cannot follow the job to another address: "
             f"{_some(sorted(job.connections))} (--drop-connections resets them)"
         )
     return found
+
+
+def _written_refusals(job: Job, peer: Peer) -> list[str]:
+    """Why a file the job writes could not be put in its place on ``peer``: its folder is not there, or
+    a file at that path there belongs to another user (it would be replaced by the job's)."""
+    there = {path: peer.written.get(path, WrittenThere(folder=False)) for path in job.written_files}
+    found = []
+    no_folder = sorted(path for path, each in there.items() if not each.folder)
+    if no_folder:
+        found.append(f"the folder of a file the job writes is not on peer {peer.name}: {_some(no_folder)}")
+    linked = sorted(path for path, each in there.items() if each.folder and not each.plain)
+    if linked:
+        found.append(
+            f"a file the job writes is reached through a symbolic link on peer {peer.name}: {_some(linked)}"
+        )
+    foreign = sorted(
+        path
+        for path, each in there.items()
+        if each.owner is not None and each.owner != job.written_files[path][0]
+    )
+    if foreign:
+        found.append(
+            f"a file the job writes is another user's on peer {peer.name} (it would be replaced): {_some(foreign)}"
+        )
+    shut = sorted(
+        path
+        for path, each in there.items()
+        if each.folder and each.plain and not may_create(*job.written_files[path], each.folder_stat)
+    )
+    if shut:
+        found.append(
+            f"the folder of a file the job writes is not its owner's to write in on peer {peer.name}: {_some(shut)}"
+        )
+    return found
+
+
+def to_carry(here: Mapping[str, Stamp], there: Mapping[str, Stamp | None]) -> list[str]:
+    """Which of the files the stopped job writes (``here``: their stamps on this machine) are sent to the
+    peer (``there``: its stamps of them, None: none there): each one not the same there, by size and
+    modification time. A file the peer has the same is the same file (a shared file system) or a copy,
+    as for the files the job reads."""
+    return sorted(path for path, stamp in here.items() if there.get(path) != stamp)
 
 
 def _some(items: Sequence[str]) -> str:

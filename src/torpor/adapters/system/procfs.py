@@ -320,9 +320,19 @@ def program_files(pids: list[int]) -> list[str]:
     open read-only (what they read on from): the files that make the running program what it is.
 
     Files open for writing or mapped shared and writable are left out (the job's own output and data:
-    it changes them), and so are deleted ones and the ``/proc``, ``/sys`` and ``/dev`` entries. Sorted, once each; a process gone meanwhile is
-    left out.
+    it changes them, :func:`written_files`), and so are deleted ones and the ``/proc``, ``/sys`` and
+    ``/dev`` entries. Sorted, once each; a process gone meanwhile is left out.
     """
+    return _files(pids, written=False)
+
+
+def written_files(pids: list[int]) -> list[str]:
+    """The files ``pids`` have open for writing or mapped shared and writable (the job's own output and
+    data), with the same exclusions as :func:`program_files`; those that are regular files are its."""
+    return _files(pids, written=True)
+
+
+def _files(pids: list[int], written: bool) -> list[str]:
     found: set[str] = set()
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -330,7 +340,7 @@ def program_files(pids: list[int]) -> list[str]:
                 for line in maps:
                     parts = line.split(None, 5)
                     writes_it = parts[1][1] == "w" and parts[1][3] == "s"  # shared and writable: its data
-                    if len(parts) == 6 and parts[5].startswith("/") and not writes_it:
+                    if len(parts) == 6 and parts[5].startswith("/") and writes_it == written:
                         found.add(parts[5].rstrip("\n"))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):  # closed meanwhile
@@ -338,7 +348,7 @@ def program_files(pids: list[int]) -> list[str]:
                     if not target.startswith("/"):
                         continue
                     flags = Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:", 1)[1].split()[0]
-                    if int(flags, 8) & os.O_ACCMODE == os.O_RDONLY:
+                    if (int(flags, 8) & os.O_ACCMODE != os.O_RDONLY) == written:
                         found.add(target)
     return sorted(
         path

@@ -69,6 +69,13 @@ class PeerAgent:
     def send_log(self, job: str, offset: int, data: bytes) -> None:
         self.client.arrival("PUT", job, "log", content=data, headers=_BINARY, params={"offset": offset})
 
+    def look(self, paths: list[str]) -> dict[str, migration.Stamp | None]:
+        return _stamps(self.client.look(paths, []))
+
+    def send_file(self, job: str, index: int, offset: int, data: bytes) -> None:
+        params = {"index": index, "offset": offset}
+        self.client.arrival("PUT", job, "file", content=data, headers=_BINARY, params=params)
+
     def arrive(self, job: str, gen: int, spec: dict[str, Any]) -> None:
         self.client.arrival("POST", job, json={"gen": gen, "source": self.source, "spec": spec})
 
@@ -85,6 +92,22 @@ class PeerAgent:
 _BINARY = {"Content-Type": "application/octet-stream"}
 
 
+def _written_there(looked: dict[str, Any]) -> migration.WrittenThere:
+    """A file the job writes as a peer's ``look`` answer describes it."""
+    folder_stat = looked.get("folder_stat") or [0, 0, 0]
+    return migration.WrittenThere(
+        folder=bool(looked.get("folder")),
+        owner=None if looked.get("owner") is None else int(looked["owner"]),
+        plain=bool(looked.get("plain", False)),
+        folder_stat=(int(folder_stat[0]), int(folder_stat[1]), int(folder_stat[2])),
+    )
+
+
+def _stamps(looked: dict[str, Any]) -> dict[str, migration.Stamp | None]:
+    """The stamps of a peer's ``look`` answer."""
+    return {path: (int(s[0]), int(s[1])) if s else None for path, s in (looked.get("stamps") or {}).items()}
+
+
 def check(
     engine: Engine, name: str, peer: Peer, drop_connections: bool = False
 ) -> tuple[migration.Job, list[str]]:
@@ -96,16 +119,19 @@ def check(
     if seen.problem is None:
         client = client_of(peer)
         try:
-            there = client.look(sorted(job.read_files), list(job.listens))
+            there = client.look(sorted(job.read_files), list(job.listens), sorted(job.written_files))
         except TorporError as exc:
             problem = exc.message.removeprefix("the agent did not answer: ").splitlines()[0]
             peer_facts = migration.Peer(peer.name, problem)
         else:
-            stamps: dict[str, migration.Stamp | None] = {
-                path: (int(s[0]), int(s[1])) if s else None for path, s in (there.get("stamps") or {}).items()
-            }
             taken = [int(port) for port in there.get("ports_taken") or []]
-            peer_facts = migration.Peer(peer.name, None, seen.node, stamps, taken)
+            written = {
+                path: migration.WrittenThere(
+                    bool(w.get("folder")), None if w.get("owner") is None else int(w["owner"])
+                )
+                for path, w in (there.get("written") or {}).items()
+            }
+            peer_facts = migration.Peer(peer.name, None, seen.node, _stamps(there), taken, written)
         finally:
             client.close()
     return job, migration.refusals(job, peer_facts, this_machine(engine.settings), drop_connections)

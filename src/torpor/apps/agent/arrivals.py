@@ -1,6 +1,6 @@
 """The routes a peer's agent calls on this one to move a job here (issue 30; :mod:`torpor.core.arrivals`
 does the work, :func:`torpor.core.migrate.move` is the caller): the look before the freeze, the chunks
-this store lacks, the chunks, the log, the records, then *go* (or *abort*). Over TCP each needs the
+this store lacks, the chunks, the log, the files the job writes, the records, then *go* (or *abort*). Over TCP each needs the
 bearer token, as every route does.
 """
 
@@ -27,6 +27,7 @@ MAX_BODY = 64 << 20
 class LookRequest(BaseModel):
     paths: list[str] = Field(default_factory=list, max_length=migrate.MAX_LOOKED_AT)
     ports: list[int] = Field(default_factory=list, max_length=migrate.MAX_LOOKED_AT)
+    written: list[str] = Field(default_factory=list, max_length=migrate.MAX_LOOKED_AT)
 
 
 class MissingRequest(BaseModel):
@@ -55,8 +56,9 @@ def add_routes(app: FastAPI, agent: Agent) -> None:
     @app.post("/v1/arrivals/look")
     def look(body: LookRequest) -> dict[str, Any]:
         """Before a job is moved here: each of ``paths`` as it is here (``[size, mtime_ns]``, or null:
-        not here, or not a regular file), and which of ``ports`` a process listens on here."""
-        return migrate.look(body.paths, body.ports)
+        not here, or not a regular file), which of ``ports`` a process listens on here, and for each of
+        ``written`` (files the job writes) whether its folder is here and who owns a file there."""
+        return migrate.look(body.paths, body.ports, body.written)
 
     @app.post("/v1/arrivals/{job}/missing")
     def missing(job: str, body: MissingRequest) -> dict[str, Any]:
@@ -74,6 +76,16 @@ def add_routes(app: FastAPI, agent: Agent) -> None:
         """A piece of ``job``'s output so far, at ``offset``: its log here starts with it."""
         body = await _body(request)
         await run_in_threadpool(arrivals.put_log, job, offset, body)
+        return {"bytes": len(body)}
+
+    @app.put("/v1/arrivals/{job}/file")
+    async def file(
+        job: str, request: Request, index: int = Query(ge=0), offset: int = Query(0, ge=0)
+    ) -> dict[str, Any]:
+        """A piece of the ``index``-th file ``job`` writes, at ``offset``: kept aside until it is handed
+        over, then put in its place."""
+        body = await _body(request)
+        await run_in_threadpool(arrivals.put_file, job, index, offset, body)
         return {"bytes": len(body)}
 
     @app.post("/v1/arrivals/{job}")

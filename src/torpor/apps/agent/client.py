@@ -129,10 +129,11 @@ class AgentClient:
             raise EnvironmentProblem(f"the agent stopped answering ({exc})") from None
         raise EnvironmentProblem("the agent ended its answer without a result")
 
-    def look(self, paths: list[str], ports: list[int]) -> dict[str, Any]:
-        """The stamps of ``paths`` on the agent's machine and which of ``ports`` are taken there
-        (``POST /v1/arrivals/look``)."""
-        return dict(self._json("POST", "/v1/arrivals/look", json={"paths": paths, "ports": ports}))
+    def look(self, paths: list[str], ports: list[int], written: list[str] | None = None) -> dict[str, Any]:
+        """The stamps of ``paths`` on the agent's machine, which of ``ports`` are taken there, and of
+        ``written`` whether each one's folder is there and who owns it (``POST /v1/arrivals/look``)."""
+        body = {"paths": paths, "ports": ports, "written": written or []}
+        return dict(self._json("POST", "/v1/arrivals/look", json=body))
 
     def arrival(self, method: str, job: str, what: str = "", **kwargs: Any) -> Any:
         """A call of the routes a job moving to this agent takes (``/v1/arrivals/JOB/WHAT``)."""
