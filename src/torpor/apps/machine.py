@@ -138,6 +138,15 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
             f"{mark(criu['dirty_tracking'])} memory dirty tracking (pre-dump, incremental freeze): "
             f"{'yes' if criu['dirty_tracking'] else 'no (kernel lacks soft-dirty; full dumps only)'}"
         )
+        tracking = criu["write_tracking"]
+        print(
+            f"{mark(tracking['uffd_wp_async'])} tracking a running job's writes (userfaultfd write-protection): "
+            + (
+                "yes (checkpoints do not use it yet)"
+                if tracking["uffd_wp_async"]
+                else f"no: {tracking['problem']}"
+            )
+        )
         print(f"{mark(criu['lazy_pages'])} userfaultfd lazy pages: {'yes' if criu['lazy_pages'] else 'no'}")
         print(
             f"{mark(criu['nftables_lock'])} nftables network lock (keeps TCP connections): "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import gpu
+from torpor.adapters import gpu, writetrack
 from torpor.adapters.criu import Criu
 from torpor.adapters.system import disk, machine
 from torpor.core.store import leftovers
@@ -117,12 +117,22 @@ def _criu(settings: Settings) -> dict[str, Any]:
             check_ok=ok,
             check=said,
             dirty_tracking=tool.has_feature("mem_dirty_track"),
+            write_tracking=_write_tracking(),
             lazy_pages=tool.has_feature("uffd-noncoop"),
             nftables_lock=tool.has_feature("nftables"),
         )
     except TorporError as exc:
         criu.update(check_ok=False, error=exc.message)
     return criu
+
+
+def _write_tracking() -> dict[str, Any]:
+    """Whether a running process's writes can be tracked from outside it here (userfaultfd
+    write-protection, asynchronous: :mod:`torpor.adapters.writetrack`), or why not."""
+    if os.geteuid() != 0:
+        return {"uffd_wp_async": None, "problem": "not tried: tracking another process needs root"}
+    problem = writetrack.probe()
+    return {"uffd_wp_async": problem is None, "problem": problem}
 
 
 def _existing_parent(path: Path) -> Path:
