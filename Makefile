@@ -70,6 +70,7 @@ bench: setup
 	$(BIN)/python scripts/bench_warmstart.py
 	$(BIN)/python scripts/bench_kube.py
 	$(BIN)/python scripts/bench_migrate.py
+	$(BIN)/python scripts/bench_writetrack.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
