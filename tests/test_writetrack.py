@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import Torpor, python_job
 from torpor.adapters import writetrack
+from torpor.adapters.system import procfs
 from torpor.adapters.writetrack import Range
 
 PAGE = mmap.PAGESIZE
@@ -139,6 +141,18 @@ def test_a_process_with_threads_and_a_sleep_runs_on_unharmed_and_its_writes_are_
     finally:
         process.kill()
         process.communicate()
+
+
+@pytest.mark.root("to trace another process")
+def test_a_stopped_process_is_refused_and_stays_stopped(child: Child) -> None:
+    os.kill(child.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(writetrack.NotTrackable, match="is stopped"):
+            writetrack.track(child.process.pid)
+        assert procfs.process_state(child.process.pid) == "T"
+    finally:
+        os.kill(child.process.pid, signal.SIGCONT)
+    child.write(1)
 
 
 def test_a_process_that_is_gone_cannot_be_tracked_said_in_one_line() -> None:

@@ -260,6 +260,8 @@ def track(pid: int) -> Tracker:
     trace (or one traced already: CRIU, a debugger)."""
     if platform.machine() != "x86_64":
         raise NotTrackable(f"tracking a process's writes is built for x86-64, not {platform.machine()}")
+    if procfs.process_state(pid) in ("T", "t"):  # making it run a call would let it run on after
+        raise NotTrackable(f"process {pid} is stopped: its writes are tracked from while it runs")
     theirs = _inject(pid, _NR_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY)
     if theirs < 0:
         raise NotTrackable(f"process {pid} cannot make a userfaultfd: {os.strerror(-theirs)}")

@@ -346,15 +346,18 @@ def _send_files(link: PeerLink, job: str, written: list[str], progress: Progress
         )
     sent = []
     for index, path in enumerate(carried):
-        with open(path, "rb") as source:
-            info = os.fstat(source.fileno())
-            size, offset = here[path][0], 0
-            while True:
-                piece = source.read(min(BATCH_BYTES, size - offset))
-                link.send_file(job, index, offset, piece)
-                offset += len(piece)
-                if offset >= size or not piece:
-                    break
+        try:
+            with open(path, "rb") as source:
+                info = os.fstat(source.fileno())
+                size, offset = here[path][0], 0
+                while True:
+                    piece = source.read(min(BATCH_BYTES, size - offset))
+                    link.send_file(job, index, offset, piece)
+                    offset += len(piece)
+                    if offset >= size or not piece:
+                        break
+        except OSError as exc:
+            raise EnvironmentProblem(f"cannot read {path}, a file the job writes: {exc.strerror}") from exc
         sent.append(
             {
                 "path": path,
