@@ -13,7 +13,8 @@
     │   ├── CriuUnavailable
     │   ├── UnsafePath               a folder torpor keeps state in is not its own (owner, mode, link)
     │   ├── JobStartFailed           the job could not be started: no PID or IPC namespace, its command won't exec
-    │   └── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
+    │   ├── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
+    │   └── NotTrackable             a running process's writes cannot be tracked here (adapters/writetrack)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
     │   └── JobExited                the job ended while it was being checkpointed
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
@@ -96,6 +97,11 @@ class SlurmCommandFailed(EnvironmentProblem):
     """A Slurm client command failed (slurmctld unreachable, unknown job); ``details`` holds what it said."""
 
 
+class NotTrackable(EnvironmentProblem):
+    """The pages a process writes cannot be tracked here (the kernel, the architecture, or the process);
+    the message says why, in one line."""
+
+
 class CheckpointFailed(TorporError):
     exit_code = 4
 
@@ -161,6 +167,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         UnsafePath,
         JobStartFailed,
         SlurmCommandFailed,
+        NotTrackable,
         CheckpointFailed,
         JobExited,
         RestoreFailed,

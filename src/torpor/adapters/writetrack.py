@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torpor.adapters.system import procfs
-from torpor.errors import EnvironmentProblem
+from torpor.errors import NotTrackable
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -159,11 +159,6 @@ class _Region(ctypes.Structure):
         ("end", ctypes.c_ulonglong),
         ("categories", ctypes.c_ulonglong),
     ]
-
-
-class NotTrackable(EnvironmentProblem):
-    """This process's writes cannot be tracked here (the kernel, the architecture, or the process); the
-    message says why, in one line."""
 
 
 @dataclass(frozen=True)
