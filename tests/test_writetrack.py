@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from torpor.adapters.system import procfs
 from torpor.adapters.writetrack import Range
 
 PAGE = mmap.PAGESIZE
+GETPID = 39  # x86-64
 PAGES = 4096  # 16 MiB
 
 # writes one byte into each page named on a line of its stdin ("3 10 11"), then answers "ok"; blocked
@@ -146,9 +148,21 @@ def test_a_process_with_threads_and_a_sleep_runs_on_unharmed_and_its_writes_are_
 @pytest.mark.root("to trace another process")
 def test_a_stopped_process_is_refused_and_stays_stopped(child: Child) -> None:
     os.kill(child.process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while procfs.process_state(child.process.pid) != "T":  # the signal is taken in a moment
+        assert time.monotonic() < deadline, "the child did not stop"
+        time.sleep(0.01)
     try:
         with pytest.raises(writetrack.NotTrackable, match="is stopped"):
             writetrack.track(child.process.pid)
+        assert procfs.process_state(child.process.pid) == "T"
+        # stopped after the check, before the call is made (the injection sees a group stop): refused,
+        # or (closing its copy of the descriptor) made and stopped again
+        with pytest.raises(writetrack.NotTrackable, match="is stopped"):
+            writetrack._inject(child.process.pid, GETPID)
+        assert procfs.process_state(child.process.pid) == "T"
+        assert writetrack._inject(child.process.pid, GETPID, if_stopped=True) == child.process.pid
+        time.sleep(0.1)
         assert procfs.process_state(child.process.pid) == "T"
     finally:
         os.kill(child.process.pid, signal.SIGCONT)

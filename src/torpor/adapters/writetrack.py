@@ -31,6 +31,7 @@ import errno
 import mmap
 import os
 import platform
+import signal
 import struct
 import subprocess
 import time
@@ -84,6 +85,9 @@ _NR_RESTART_SYSCALL = 219
 
 #: the end of x86-64's user address space (TASK_SIZE_MAX): a scan may not reach past it
 _USER_END = (1 << 47) - PAGE_SIZE
+
+#: the signals that stop a process (a group stop)
+_STOP_SIGNALS = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 
 #: waitpid() for any thread, a child or not (__WALL)
 _WALL = 0x40000000
@@ -263,7 +267,7 @@ def track(pid: int) -> Tracker:
     try:
         uffd = _take_fd(pid, theirs)
     finally:
-        _inject(pid, _NR_CLOSE, theirs)
+        _inject(pid, _NR_CLOSE, theirs, if_stopped=True)  # stopped meanwhile: it must not keep it
     try:
         api = ctypes.create_string_buffer(
             struct.pack("QQQ", _UFFD_API, _UFFD_FEATURE_WP_ASYNC | _UFFD_FEATURE_WP_UNPOPULATED, 0), 24
@@ -372,15 +376,21 @@ def _wait_stop(pid: int) -> int:
             raise NotTrackable(f"process {pid} ended while torpor made it a system call")
 
 
-def _inject(pid: int, number: int, *args: int) -> int:
+def _inject(pid: int, number: int, *args: int, if_stopped: bool = False) -> int:
     """Make process ``pid`` (its main thread) run system call ``number`` with ``args``, then go on as
-    it was; the call's return value (a negative errno on failure)."""
+    it was; the call's return value (a negative errno on failure). A process stopped by a signal is
+    refused (NotTrackable), or with ``if_stopped`` made to run the call and stopped again after."""
     entry = _vdso_syscall(pid)
     _ptrace(_PTRACE_SEIZE, pid, 0, _PTRACE_O_TRACESYSGOOD)
     pending: list[int] = []
     try:
         _ptrace(_PTRACE_INTERRUPT, pid)
-        _wait_stop(pid)
+        first = _wait_stop(pid) & 0xFF
+        if first in _STOP_SIGNALS:  # it was stopped (a group stop), not interrupted by us
+            if not if_stopped:
+                pending.append(first)  # detached, it stays stopped
+                raise NotTrackable(f"process {pid} is stopped: its writes are tracked from while it runs")
+            pending.append(first)
         saved = _Regs()
         _ptrace(_PTRACE_GETREGS, pid, 0, saved)
         _restartable(saved)
@@ -393,9 +403,9 @@ def _inject(pid: int, number: int, *args: int) -> int:
         while stops < 2:  # the call's entry, then its exit
             _ptrace(_PTRACE_SYSCALL, pid)
             sig = _wait_stop(pid) & 0xFF
-            if sig == 0x80 | 5:
+            if sig == 0x80 | signal.SIGTRAP:
                 stops += 1
-            elif sig not in (5, 19, 20, 21, 22):  # a signal meant for the process: delivered at the end
+            elif sig != signal.SIGTRAP:  # a signal meant for the process (a stop too): given it at the end
                 pending.append(sig)
         done = _Regs()
         _ptrace(_PTRACE_GETREGS, pid, 0, done)
