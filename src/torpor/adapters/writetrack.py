@@ -279,6 +279,9 @@ def track(pid: int) -> Tracker:
                 "Linux 6.7 or later is needed"
             )
         tracker = Tracker(pid, uffd)
+    except OSError as exc:  # its pagemap: it ended meanwhile
+        os.close(uffd)
+        raise NotTrackable(f"cannot read the page table of process {pid}: {exc.strerror}") from None
     except BaseException:
         os.close(uffd)
         raise
