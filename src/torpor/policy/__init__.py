@@ -20,6 +20,7 @@ talking to a system (the adapters), parsing and rendering (the apps). Nothing he
     rewind.py       what a restore does with each file the job writes: leave, cut back, or refuse
     notices.py      what a cloud's metadata service answered: a spot, preemption or maintenance notice
     evacuation.py   which jobs to save before the machine goes, in which order; what was saved
+    precopy.py      when a pre-copied checkpoint's rounds stop and the job is frozen (no caller yet)
     scheduler/      the memory-first scheduler of one node: admit, preempt, reclaim borrowed quota,
                     the memory guard (hibernate before the OOM killer), limit raises, submit checks
 """
