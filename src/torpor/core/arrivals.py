@@ -12,17 +12,18 @@ over (:meth:`Arrivals.go`; the agent resumes it then), or it is dropped (:meth:`
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
-import stat
 from pathlib import Path
 from typing import Any
 
 from torpor.adapters.system import private
 from torpor.core import rewind
 from torpor.core.engine import Engine
+from torpor.core.migrate import written_there
 from torpor.core.moves import Moves
 from torpor.core.naming import check_name
 from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
@@ -260,21 +261,14 @@ class Arrivals:
 
 
 def _place(path: Path, staged: Path, each: dict[str, Any], gen: int) -> None:
-    try:
-        there = path.lstat()
-    except FileNotFoundError:
-        there = None
-    if there is not None and there.st_uid != each["uid"]:
+    problems = migration.written_problems((each["uid"], each["gid"]), written_there(str(path)))
+    if migration.FOREIGN in problems:
         raise WrongState(f"{path} belongs to another user here: the job's file is not put over it")
-    try:
-        folder = path.parent.stat()
-    except OSError as exc:
-        raise EnvironmentProblem(f"cannot put {path} in its place here: {exc.strerror}") from exc
-    if os.path.realpath(path.parent) != str(path.parent):
+    if migration.NO_FOLDER in problems:
+        raise EnvironmentProblem(f"cannot put {path} in its place here: {os.strerror(errno.ENOENT)}")
+    if migration.LINKED in problems:
         raise WrongState(f"{path} is reached through a symbolic link here: the job's file is not put there")
-    if not migration.may_create(
-        each["uid"], each["gid"], (folder.st_uid, folder.st_gid, stat.S_IMODE(folder.st_mode))
-    ):
+    if migration.SHUT in problems:
         raise WrongState(f"{path.parent} is not the job's user's to write in here: its file is not put there")
     beside = path.with_name(f".{path.name}.torpor-{gen}")
     with contextlib.suppress(FileNotFoundError):

@@ -100,27 +100,27 @@ def look(paths: Sequence[str], ports: Sequence[int], written: Sequence[str] = ()
     return {
         "stamps": {path: list(stamp) if stamp else None for path, stamp in stamps(paths).items()},
         "ports_taken": taken,
-        "written": {path: _written_here(path) for path in written},
+        "written": {path: dataclasses.asdict(written_there(path)) for path in written},
     }
 
 
-def _written_here(path: str) -> dict[str, Any]:
-    """A file the job writes, as it is here (:class:`torpor.policy.migration.WrittenThere`)."""
+def written_there(path: str) -> migration.WrittenThere:
+    """A file the job writes, as it is on this machine (what :func:`~torpor.policy.migration.
+    written_problems` judges)."""
     try:
         owner: int | None = os.lstat(path).st_uid
     except OSError:
         owner = None
-    folder = os.path.dirname(path)
     try:
-        info = os.stat(folder)
+        info = os.stat(os.path.dirname(path))
     except OSError:
-        return {"folder": False, "owner": owner}
-    return {
-        "folder": stat.S_ISDIR(info.st_mode),
-        "owner": owner,
-        "plain": os.path.realpath(path) == path,
-        "folder_stat": [info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)],
-    }
+        return migration.WrittenThere(folder=False, owner=owner)
+    return migration.WrittenThere(
+        folder=stat.S_ISDIR(info.st_mode),
+        owner=owner,
+        plain=os.path.realpath(path) == path,
+        folder_stat=(info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)),
+    )
 
 
 # -- the move ---------------------------------------------------------------------------------------------

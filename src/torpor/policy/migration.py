@@ -125,37 +125,45 @@ def refusals(job: Job, peer: Peer, here: Mapping[str, Any], drop_connections: bo
     return found
 
 
-def _written_refusals(job: Job, peer: Peer) -> list[str]:
-    """Why a file the job writes could not be put in its place on ``peer``: its folder is not there, or
-    a file at that path there belongs to another user (it would be replaced by the job's)."""
-    there = {path: peer.written.get(path, WrittenThere(folder=False)) for path in job.written_files}
+#: why a file the job writes could not be put in its place on a machine (:func:`written_problems`)
+NO_FOLDER, LINKED, FOREIGN, SHUT = "no folder", "linked", "foreign", "shut"
+
+
+def written_problems(owner: tuple[int, int], there: WrittenThere) -> list[str]:
+    """Why a file the job writes, of ``owner`` (user, group), could not be put in its place on a machine
+    where it is ``there``: its folder is not there (:data:`NO_FOLDER`), its path goes through a
+    symbolic link (:data:`LINKED`), another user's file is at that path (:data:`FOREIGN`: it would be
+    replaced), or the folder is not its owner's to write in (:data:`SHUT`). Empty: it may be put there.
+    Asked before the freeze of the peer's answer, and by the peer itself when it puts the file."""
     found = []
-    no_folder = sorted(path for path, each in there.items() if not each.folder)
-    if no_folder:
-        found.append(f"the folder of a file the job writes is not on peer {peer.name}: {_some(no_folder)}")
-    linked = sorted(path for path, each in there.items() if each.folder and not each.plain)
-    if linked:
-        found.append(
-            f"a file the job writes is reached through a symbolic link on peer {peer.name}: {_some(linked)}"
-        )
-    foreign = sorted(
-        path
-        for path, each in there.items()
-        if each.owner is not None and each.owner != job.written_files[path][0]
-    )
-    if foreign:
-        found.append(
-            f"a file the job writes is another user's on peer {peer.name} (it would be replaced): {_some(foreign)}"
-        )
-    shut = sorted(
-        path
-        for path, each in there.items()
-        if each.folder and each.plain and not may_create(*job.written_files[path], each.folder_stat)
-    )
-    if shut:
-        found.append(
-            f"the folder of a file the job writes is not its owner's to write in on peer {peer.name}: {_some(shut)}"
-        )
+    if not there.folder:
+        found.append(NO_FOLDER)
+    elif not there.plain:
+        found.append(LINKED)
+    if there.owner is not None and there.owner != owner[0]:
+        found.append(FOREIGN)
+    if there.folder and there.plain and not may_create(*owner, there.folder_stat):
+        found.append(SHUT)
+    return found
+
+
+def _written_refusals(job: Job, peer: Peer) -> list[str]:
+    """The refusals of :func:`written_problems` for each file the job writes, a line for each kind."""
+    problems = {
+        path: written_problems(owner, peer.written.get(path, WrittenThere(folder=False)))
+        for path, owner in job.written_files.items()
+    }
+    said = {
+        NO_FOLDER: f"the folder of a file the job writes is not on peer {peer.name}",
+        LINKED: f"a file the job writes is reached through a symbolic link on peer {peer.name}",
+        FOREIGN: f"a file the job writes is another user's on peer {peer.name} (it would be replaced)",
+        SHUT: f"the folder of a file the job writes is not its owner's to write in on peer {peer.name}",
+    }
+    found = []
+    for kind, text in said.items():
+        paths = sorted(path for path, kinds in problems.items() if kind in kinds)
+        if paths:
+            found.append(f"{text}: {_some(paths)}")
     return found
 
 
