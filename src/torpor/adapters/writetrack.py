@@ -34,6 +34,7 @@ import platform
 import signal
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,6 +79,10 @@ _PAGEMAP_SCAN = 0xC0606610  # _IOWR('f', 16, struct pm_scan_arg)
 _PM_SCAN_WP_MATCHING = 1 << 0
 _PAGE_IS_WPALLOWED = 1 << 0
 _PAGE_IS_WRITTEN = 1 << 1
+_PAGE_IS_FILE = 1 << 2
+_PAGE_IS_PRESENT = 1 << 3
+_PAGE_IS_SWAPPED = 1 << 4
+_PAGE_IS_PFNZERO = 1 << 5
 
 # an interrupted system call's return values the kernel restarts it on (include/linux/errno.h)
 _ERESTARTSYS, _ERESTARTNOINTR, _ERESTARTNOHAND, _ERESTART_RESTARTBLOCK = 512, 513, 514, 516
@@ -91,6 +96,9 @@ _STOP_SIGNALS = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signa
 
 #: waitpid() for any thread, a child or not (__WALL)
 _WALL = 0x40000000
+
+#: how long a helper may take to make a process run one system call
+_INJECT_TIMEOUT_S = 20
 
 #: page regions one scan returns at most (a run of written pages is one region)
 _REGIONS = 4096
@@ -215,25 +223,72 @@ class Tracker:
         self._scan(_PAGE_IS_WPALLOWED, collect=False)
         return new
 
-    def written(self) -> list[Range]:
+    def ranges(self) -> list[Range]:
+        """The memory registered for tracking, in address order (what :meth:`protect` has registered)."""
+        return [Range(start, length) for start, length in sorted(self._registered)]
+
+    def present(self, swapped: bool) -> list[Range]:
+        """The pages of the registered memory that hold something, as CRIU would dump them: not the
+        shared zero page, not a private file page never written; in RAM, and with ``swapped`` in swap
+        too. A protected page never touched looks swapped to the kernel's scan (its marker), so a
+        machine without swap asks without ``swapped``; reading such a page gives zeros either way."""
+        anyof = _PAGE_IS_PRESENT | (_PAGE_IS_SWAPPED if swapped else 0)
+        return self._scan(
+            anyof, collect=True, wp=False, inverted=_PAGE_IS_PFNZERO | _PAGE_IS_FILE, anyof=anyof
+        )
+
+    def written(self, protect: bool = True) -> list[Range]:
         """The pages written since :meth:`protect` or the last call, in address order, merged into runs;
         they are protected again in the same scan, so a write during it lands in this answer or the
-        next, never in neither."""
-        return self._scan(_PAGE_IS_WRITTEN, collect=True)
+        next, never in neither. ``protect=False``: only look (the period goes on)."""
+        return self._scan(_PAGE_IS_WRITTEN, collect=True, wp=protect)
 
-    def _scan(self, category: int, collect: bool) -> list[Range]:
+    def _scan(
+        self, category: int, collect: bool, wp: bool = True, inverted: int = 0, anyof: int = 0
+    ) -> list[Range]:
         found: list[Range] = []
         regions = (_Region * _REGIONS)()
-        start, end = 0, _USER_END
+        spans = [(each.start, each.start + each.length) for each in self.spans()] if not wp else []
+        for start, end in spans or ([(0, _USER_END)] if wp else []):
+            self._scan_span(start, end, regions, category, collect, wp, inverted, anyof, found)
+        return found
+
+    def spans(self) -> list[Range]:
+        """:meth:`ranges` merged where they meet or overlap (a mapping registered again once it grew)."""
+        spans: list[Range] = []
+        for each in self.ranges():
+            end = each.start + each.length
+            if spans and spans[-1].start + spans[-1].length >= each.start:
+                last = spans[-1]
+                spans[-1] = Range(last.start, max(last.start + last.length, end) - last.start)
+            else:
+                spans.append(each)
+        return spans
+
+    def _scan_span(
+        self,
+        start: int,
+        end: int,
+        regions: ctypes.Array[_Region],
+        category: int,
+        collect: bool,
+        wp: bool,
+        inverted: int,
+        anyof: int,
+        found: list[Range],
+    ) -> None:
         while start < end:
             arg = _ScanArg(
                 size=ctypes.sizeof(_ScanArg),
-                flags=_PM_SCAN_WP_MATCHING,  # mappings not registered are skipped
+                flags=_PM_SCAN_WP_MATCHING if wp else 0,  # with it, mappings not registered are skipped
                 start=start,
                 end=end,
                 vec=ctypes.addressof(regions),
                 vec_len=_REGIONS,
-                category_mask=category,
+                category_inverted=inverted,
+                # with an anyof mask (present()): only the zero page and file pages are excluded
+                category_mask=inverted if anyof else category,
+                category_anyof_mask=anyof,
                 return_mask=category,
             )
             count = _libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
@@ -249,7 +304,6 @@ class Tracker:
             if arg.walk_end <= start or count < _REGIONS:
                 break
             start = arg.walk_end
-        return found
 
 
 def track(pid: int) -> Tracker:
@@ -261,13 +315,13 @@ def track(pid: int) -> Tracker:
         raise NotTrackable(f"tracking a process's writes is built for x86-64, not {platform.machine()}")
     if procfs.process_state(pid) in ("T", "t"):  # making it run a call would let it run on after
         raise NotTrackable(f"process {pid} is stopped: its writes are tracked from while it runs")
-    theirs = _inject(pid, _NR_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY)
+    theirs = _inject_apart(pid, _NR_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY)
     if theirs < 0:
         raise NotTrackable(f"process {pid} cannot make a userfaultfd: {os.strerror(-theirs)}")
     try:
         uffd = _take_fd(pid, theirs)
     finally:
-        _inject(pid, _NR_CLOSE, theirs, if_stopped=True)  # stopped meanwhile: it must not keep it
+        _inject_apart(pid, _NR_CLOSE, theirs, if_stopped=True)  # stopped meanwhile: it must not keep it
     try:
         api = ctypes.create_string_buffer(
             struct.pack("QQQ", _UFFD_API, _UFFD_FEATURE_WP_ASYNC | _UFFD_FEATURE_WP_UNPOPULATED, 0), 24
@@ -379,6 +433,44 @@ def _wait_stop(pid: int) -> int:
             raise NotTrackable(f"process {pid} ended while torpor made it a system call")
 
 
+def _inject_apart(pid: int, number: int, *args: int, if_stopped: bool = False) -> int:
+    """:func:`_inject`, run by a process of its own (``python -m torpor.adapters.writetrack``).
+
+    The tracer must not be the process's parent: a parent that waits for its child (torpor's launcher
+    does, in a thread of its own) would take the ptrace stops the tracer waits for, and both would wait
+    for ever, the process stopped."""
+    command = [sys.executable, "-m", __name__, str(pid), str(number), *map(str, args)]
+    try:
+        done = subprocess.run(
+            [*command, *(["--if-stopped"] if if_stopped else [])],
+            capture_output=True,
+            text=True,
+            timeout=_INJECT_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:  # killed: its tracee is let go with it
+        raise NotTrackable(
+            f"making process {pid} run a system call took over {_INJECT_TIMEOUT_S} s"
+        ) from None
+    if done.returncode == 0:
+        return int(done.stdout.strip())
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    raise NotTrackable(lines[-1] if lines else f"making process {pid} run a system call failed")
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m torpor.adapters.writetrack PID NUMBER [ARG...] [--if-stopped]``: :func:`_inject`; the
+    call's return value on stdout, or why not on stderr (exit 3)."""
+    if_stopped = "--if-stopped" in argv
+    numbers = [int(each) for each in argv if each != "--if-stopped"]
+    try:
+        print(_inject(numbers[0], numbers[1], *numbers[2:], if_stopped=if_stopped))
+    except NotTrackable as exc:
+        print(exc.message, file=sys.stderr)
+        return 3
+    return 0
+
+
 def _inject(pid: int, number: int, *args: int, if_stopped: bool = False) -> int:
     """Make process ``pid`` (its main thread) run system call ``number`` with ``args``, then go on as
     it was; the call's return value (a negative errno on failure). A process stopped by a signal is
@@ -430,3 +522,7 @@ def _restartable(regs: _Regs) -> None:
         regs.rax, regs.rip = regs.orig_rax, regs.rip - 2
     elif returned == -_ERESTART_RESTARTBLOCK:
         regs.rax, regs.rip = _NR_RESTART_SYSCALL, regs.rip - 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

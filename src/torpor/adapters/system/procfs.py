@@ -196,6 +196,15 @@ def resident_bytes(pids: list[int]) -> int:
     return sum(use.proportional for use in memory_use(pids))
 
 
+def swap_in_use() -> bool:
+    """Whether this machine has a swap area on (``/proc/swaps`` lists one)."""
+    try:
+        with open("/proc/swaps") as swaps:
+            return len(swaps.read().splitlines()) > 1
+    except OSError:
+        return True  # cannot tell: count swapped pages as pages
+
+
 def namespace_pid(pid: int) -> int | None:
     """``pid`` as its own PID namespace numbers it (the last of ``NSpid``), as CRIU names its images."""
     pids = _status(pid, "NSpid")
