@@ -44,6 +44,22 @@ class Prestored:
     memory_read: int = 0
 
 
+#: a dot file of an image folder naming, one per line, the files torpor wrote again after CRIU (a
+#: pre-copied dump made whole, :mod:`torpor.core.precopy`): what was stored of them while CRIU wrote
+#: them is not theirs any more
+REWRITTEN = ".rewritten"
+
+
+def still_valid(prestored: Prestored, image_dir: Path) -> Prestored:
+    """``prestored`` less the pieces of files the folder's :data:`REWRITTEN` names."""
+    try:
+        names = set((image_dir / REWRITTEN).read_text().split())
+    except FileNotFoundError:
+        return prestored
+    pieces = {piece: found for piece, found in prestored.pieces.items() if piece[0] not in names}
+    return Prestored(pieces, prestored.memory, prestored.memory_read)
+
+
 def prestore(
     repo: Repository,
     image_dir: Path,

@@ -21,7 +21,7 @@ from torpor.core.store.chunking import ProgressFn, merge_zeros, no_progress, ove
 from torpor.core.store.lock import SHARED
 from torpor.core.store.manifest import Extent, FileEntry, Manifest
 from torpor.core.store.objects import KIND_MANIFEST
-from torpor.core.store.prestore import Prestored
+from torpor.core.store.prestore import Prestored, still_valid
 from torpor.errors import StoreError
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def write_image(
     they may be written around the backend's cache (:meth:`Backend.writer`). A file of the image that
     vanished raises FileNotFoundError (the image was deleted meanwhile).
     """
-    prestored = prestored or Prestored()
+    prestored = still_valid(prestored or Prestored(), image_dir)
     try:
         repo.open()
         started = time.monotonic()
