@@ -16,7 +16,8 @@
     │   ├── SlurmCommandFailed       a Slurm client command failed (slurmctld unreachable, unknown job)
     │   └── NotTrackable             a running process's writes cannot be tracked here (adapters/writetrack)
     ├── CheckpointFailed (4)         a dump failed; the job was left running (invariant 1)
-    │   └── JobExited                the job ended while it was being checkpointed
+    │   ├── JobExited                the job ended while it was being checkpointed
+    │   └── PreCopyIncomplete        a pre-copied dump found a page torpor holds no copy of (dumped again, whole)
     ├── RestoreFailed (5)            a restore failed; the image and the job record are unchanged
     ├── StoreError (6)               the image store refused or lost data
     │   ├── CorruptImage             a byte read back does not match its content hash
@@ -110,6 +111,11 @@ class JobExited(CheckpointFailed):
     pass
 
 
+class PreCopyIncomplete(CheckpointFailed):
+    """A pre-copied dump cannot be made whole (torpor.core.precopy): the checkpoint dumps the job again,
+    whole."""
+
+
 class RestoreFailed(TorporError):
     exit_code = 5
 
@@ -170,6 +176,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         NotTrackable,
         CheckpointFailed,
         JobExited,
+        PreCopyIncomplete,
         RestoreFailed,
         StoreError,
         CorruptImage,

@@ -69,6 +69,10 @@ class Settings:
     #: keep the CPUs out of slow idle states while CRIU dumps or restores (a PM QoS request of 0 µs on
     #: /dev/cpu_dma_latency, :func:`torpor.adapters.system.ownprocess.cpu_wakeups_held`); off: leave them be
     hold_cpu_wakeups: bool = True
+    #: copy a checkpoint's memory while the job runs, in rounds, so that the freeze dumps only what it
+    #: wrote since the last round (:mod:`torpor.core.precopy`; where this machine can track writes);
+    #: off unless TORPOR_PRECOPY=1 while it is new
+    precopy: bool = False
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
     job_umask: int | None = None
@@ -166,6 +170,7 @@ class Settings:
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
             stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
+            precopy=_env_bool("TORPOR_PRECOPY", False),
             net_bridge=env.get("TORPOR_BRIDGE") or "torpor0",
             net_subnet=env.get("TORPOR_SUBNET") or "10.213.0.0/24",
         )

@@ -309,6 +309,7 @@ class Criu:
         external_unix: Sequence[int] = (),
         tcp: bool = True,
         stream: StreamedDump | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> DumpStats:
         """Dump the process tree rooted at ``pid`` into ``images_dir``: one attempt (``tcp``: see
         :meth:`dump_command`).
@@ -317,6 +318,8 @@ class Criu:
         (:class:`torpor.adapters.imagestreamer.ImageCapture`), not into a file CRIU writes, and CRIU runs
         the stream's action script. CRIU then runs in ``images_dir`` with ``--images-dir .`` (a socket
         path holds at most 107 bytes); it still writes its ``stats-dump`` there itself.
+
+        ``env``: more of CRIU's environment (a pre-copy's, :meth:`torpor.core.precopy.PreCopy.env`).
 
         CRIU itself resumes the tree when a dump fails; the caller still checks (invariant 1). Whether a
         failed dump is tried again is the caller's to decide (:func:`torpor.core.checkpoint.dump`).
@@ -337,7 +340,7 @@ class Criu:
             args,
             timeout=6 * 3600,
             abandon_if=lambda: not Path(f"/proc/{pid}").exists(),
-            env=None if stream is None else dict(stream.env),
+            env=None if stream is None and env is None else {**(stream.env if stream else {}), **(env or {})},
             cwd=None if stream is None else images_dir,
         )
         if out.returncode != 0:

@@ -27,20 +27,28 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from torpor.adapters import gpu
 from torpor.adapters.criu import Criu, StreamedDump
 from torpor.adapters.criuimage import DumpStats
 from torpor.adapters.criulog import log_excerpt
 from torpor.adapters.imagestreamer import ImageCapture
 from torpor.adapters.system import ownprocess, procfs, sockets
-from torpor.core import jobnetworks, rewind
+from torpor.core import jobnetworks, precopy, rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
 from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
-from torpor.errors import CheckpointFailed, JobExited, StorageFull, TorporError
+from torpor.errors import (
+    CheckpointFailed,
+    JobExited,
+    NotTrackable,
+    PreCopyIncomplete,
+    StorageFull,
+    TorporError,
+)
 from torpor.policy import retention, retry
 
 
@@ -106,12 +114,15 @@ def checkpoint_in_launcher(
         # hibernation writes no zeros: that job stops anyway, and what counts is how soon its memory is
         # free, which writing memory first would only delay
         in_ram = ctx.settings.stream_dump and ctx.store.in_memory(staging)
+        images = staging
+        pre = _precopy(ctx, pids, images, hibernate, progress)
         dump_started = time.monotonic()
-        try:
-            stats = dump(
+
+        def dump_once(pre: precopy.PreCopy | None) -> DumpStats:
+            return dump(
                 ctx.criu,
                 pid,
-                staging,
+                images,
                 ctx.criu_log(name, "dump", checkpoint_id),
                 leave_running=not hibernate,
                 extra=ctx.settings.criu_extra
@@ -123,10 +134,20 @@ def checkpoint_in_launcher(
                 tcp=sockets.has_tcp_sockets(pids),
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
-                reserve=reservations(memory) if in_ram and not hibernate else None,
-                taken=ctx.store.take_over_memory(name, staging) if in_ram else None,
+                # a pre-copy's dump holds only what was written since its last round
+                reserve=reservations(memory) if in_ram and not hibernate and pre is None else None,
+                taken=ctx.store.take_over_memory(name, images) if in_ram and pre is None else None,
+                env=pre.env() if pre is not None else None,
             )
+
+        try:
+            stats = dump_once(pre)
+            if pre is not None:
+                stats = _complete(pre, images, stats, lambda: dump_once(None), progress)
         finally:
+            if pre is not None:
+                pre.close()
+                precopy.remove(images)
             if not hibernate:
                 ctx.gpu.after_dump(pids, leave_running=True)
         dump_s = time.monotonic() - dump_started
@@ -195,6 +216,59 @@ def checkpoint_in_launcher(
     else:
         records.transition(name, {JobState.CHECKPOINTING}, JobState.RUNNING)
     return CheckpointReply(checkpoint, not_durable)
+
+
+def _precopy(
+    ctx: Context, pids: list[int], staging: Path, hibernate: bool, progress: Progress
+) -> precopy.PreCopy | None:
+    """Copy the job's memory while it runs (:mod:`torpor.core.precopy`), where it can be; else None,
+    the progress saying why (the dump is then whole, as always)."""
+    if not ctx.settings.precopy:
+        return None
+    why = None
+    if hibernate:
+        why = "a hibernation dumps the job whole"
+    elif not ctx.store.in_memory(staging):
+        why = "the image is not staged in RAM"
+    elif procfs.uses_device(pids, gpu.NVIDIA_DEVICE_PREFIX):
+        why = "a GPU's writes into host memory cannot be tracked"
+    if why is not None:
+        if not hibernate:
+            progress(f"not pre-copied ({why}): the whole memory is dumped while frozen")
+        return None
+    try:
+        pre = precopy.start(staging, pids, progress)
+    except NotTrackable as exc:
+        progress(f"not pre-copied ({exc.message}): the whole memory is dumped while frozen")
+        return None
+    try:
+        pre.copy_rounds(progress)
+    except BaseException:
+        pre.close()
+        precopy.remove(staging)
+        raise
+    return pre
+
+
+def _complete(
+    pre: precopy.PreCopy,
+    staging: Path,
+    stats: DumpStats,
+    dump_whole: Callable[[], DumpStats],
+    progress: Progress,
+) -> DumpStats:
+    """Make a pre-copied dump's image whole; where it cannot be, dump the job again, whole."""
+    try:
+        summary = pre.complete(staging)
+    except (PreCopyIncomplete, OSError) as exc:
+        progress(f"the pre-copied image cannot be made whole ({exc}): dumping again, whole")
+        _empty_folder(staging)
+        return dump_whole()
+    progress(
+        f"{summary.line()}; the freeze dumped {summary.dumped_pages * 4096 / 2**20:.1f} MiB, "
+        f"{summary.copied_pages * 4096 / 2**20:.0f} MiB came from the copy"
+    )
+    return stats
 
 
 def reservations(memory: list[procfs.MemoryUse]) -> dict[int, int]:

@@ -1,0 +1,481 @@
+"""Pre-copied checkpoints (issue 31): the job's memory copied while it runs, so that the freeze dumps only
+what it wrote since.
+
+Order of a pre-copied checkpoint, inside :func:`torpor.core.checkpoint.checkpoint_in_launcher`::
+
+    track each process's writes            adapters.writetrack (userfaultfd, asynchronous write-protect)
+    round 1: copy every page it holds      into .precopy/copy-PID in the staging folder (RAM), by address
+    round k: copy the pages written since  as long as policy.precopy says another round is worth it
+    criu dump, told what torpor holds      criu-rlimits.c's "pages since": CRIU dumps the pages written
+                                           since the last round, and lists every page it found
+    make the image whole (complete())      pages found and not dumped come from the copy; a copied page
+                                           no longer there stays out; pages-N.img and pagemap-N.img
+                                           are written again, so the image needs nothing else
+
+Correct by construction: a page is left out of CRIU's dump only if the kernel says it was not written
+since it was protected, and it was protected before torpor copied it (the copy is at least as new as the
+protection; a write after it marks the page). Memory mapped after tracking began is not protected, so
+CRIU dumps it; so is a child forked since (another address space, not tracked). A page the dump found
+that torpor has no copy of fails the checkpoint's completion (:class:`Incomplete`), and the caller
+dumps again, whole.
+
+Only for jobs that run on (a checkpoint, not a hibernation) whose image is staged in RAM, on a machine
+where :func:`torpor.adapters.writetrack.probe` passes and with CRIU started through torpor's wrapper
+(the shim). Memory a device writes by DMA (a GPU's pinned host buffers) is not seen by write-protection:
+jobs that use a GPU are not pre-copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torpor.adapters import writetrack
+from torpor.adapters.criuimage import fields, records
+from torpor.adapters.system import procfs
+from torpor.core.context import Progress
+from torpor.core.store import prestore
+from torpor.core.store.pagemap import PAGE_SIZE, PE_PRESENT
+from torpor.errors import NotTrackable
+from torpor.errors import PreCopyIncomplete as Incomplete
+from torpor.policy import precopy as policy
+from torpor.policy.scheduler.sizes import format_size
+
+#: the folder, inside the staging folder, holding the copies and what the shim writes
+FOLDER = ".precopy"
+
+#: the processes of one job that are tracked at most (the shim keeps a list of this many)
+MOST_PROCESSES = 512
+
+#: the environment variable the shim reads (scripts/criu-rlimits.c)
+ENV = "TORPOR_PAGES_SINCE"
+
+# what the shim records: u64 start, end, categories; PAGE_IS_* of <linux/fs.h>
+_FOUND = struct.Struct("<QQQ")
+_PAGE_IS_WRITTEN = 1 << 1
+_PAGE_IS_PRESENT = 1 << 3
+
+_CHUNK = 8 << 20
+_SEEK_DATA, _SEEK_HOLE = 3, 4
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a pre-copied checkpoint did, for its progress line, its record and the benchmarks."""
+
+    rounds: tuple[policy.Round, ...]
+    why: str  # why the rounds stopped
+    #: pages the freeze dumped, and pages the image took from the copies
+    dumped_pages: int = 0
+    copied_pages: int = 0
+    complete_s: float = 0.0
+
+    @property
+    def copied(self) -> int:
+        """Bytes the rounds copied in all."""
+        return sum(each.copied for each in self.rounds)
+
+    def line(self) -> str:
+        rounds = ", ".join(f"{format_size(r.copied)} in {r.seconds:.2f} s" for r in self.rounds)
+        return f"pre-copied in {len(self.rounds)} round(s) ({rounds}): {self.why}"
+
+
+@dataclass
+class _Process:
+    pid: int  # on this machine
+    inner: int  # in the job's PID namespace, as CRIU names its images
+    tracker: writetrack.Tracker
+    copy: int  # descriptor of .precopy/copy-PID: the pages at their addresses
+    mem: int  # descriptor of /proc/PID/mem
+
+
+@dataclass
+class PreCopy:
+    """The tracked processes of one job and the copies of their memory (:func:`start`)."""
+
+    folder: Path
+    processes: list[_Process]
+    #: processes not tracked, with why (dumped whole)
+    untracked: dict[int, str] = field(default_factory=dict)
+    rounds: list[policy.Round] = field(default_factory=list)
+    why: str = ""
+
+    def __enter__(self) -> PreCopy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop tracking (the job's memory is no longer write-protected) and close the copies."""
+        for each in self.processes:
+            each.tracker.close()
+            for fd in (each.copy, each.mem):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.processes = []
+
+    def copy_rounds(self, progress: Progress, limits: policy.Limits | None = None) -> None:
+        """Copy the memory in rounds while the job runs, until :func:`torpor.policy.precopy.next_step`
+        says to freeze. Round 1 copies every page the processes hold (protected already, by
+        :func:`start`), each later round what the scan before it found written and protected again.
+        What the last look found is not protected again: it stays written, for the dump."""
+        limits = limits or policy.Limits()
+        swapped = procfs.swap_in_use()
+        ranges = {each.pid: each.tracker.present(swapped) for each in self.processes}
+        decision = policy.next_step(self.rounds, _size(ranges), limits)
+        while decision.again:
+            started = time.monotonic()
+            copied = sum(self._copy(each, ranges[each.pid]) for each in self.processes)
+            self.rounds.append(policy.Round(copied, time.monotonic() - started))
+            progress(f"pre-copy {decision.why}: copied in {self.rounds[-1].seconds:.2f} s")
+            looked = {each.pid: each.tracker.written(protect=False) for each in self.processes}
+            decision = policy.next_step(self.rounds, _size(looked), limits)
+            if decision.again:  # protected again only now: a page written meanwhile is in this scan
+                ranges = {each.pid: each.tracker.written() for each in self.processes}
+        self.why = decision.why
+
+    def env(self) -> dict[str, str]:
+        """CRIU's environment for the dump: the shim's folder, with the ranges whose copies torpor holds."""
+        lines = [
+            f"{each.pid} {span.start} {span.start + span.length}\n"
+            for each in self.processes
+            for span in each.tracker.spans()
+        ]
+        ranges = self.folder / "ranges"
+        ranges.write_text("".join(lines))
+        for found in self.folder.glob("found-*"):
+            found.unlink()
+        return {ENV: str(self.folder)}
+
+    def complete(self, images_dir: Path) -> Summary:
+        """Make the image CRIU dumped into ``images_dir`` whole: each tracked process's pages file and
+        pagemap hold every page the dump found, from the dump or from the copies. Raises
+        :class:`Incomplete` when a page found has no copy (the image is then as CRIU left it: partial)."""
+        started = time.monotonic()
+        dumped = copied = 0
+        for each in self.processes:
+            found_file = self.folder / f"found-{each.pid}"
+            if not found_file.exists():
+                continue  # the shim did not filter this process's scans: CRIU dumped all of it
+            pagemap = images_dir / f"pagemap-{each.inner}.img"
+            d, c = _make_whole(pagemap, found_file, each, images_dir)
+            dumped += d
+            copied += c
+        return Summary(tuple(self.rounds), self.why, dumped, copied, time.monotonic() - started)
+
+    def _copy(self, process: _Process, ranges: Sequence[writetrack.Range]) -> int:
+        """Copy ``ranges`` of the process's memory into its copy file at their addresses; bytes copied.
+        A range unmapped meanwhile is skipped (its pages, if mapped again, are new: CRIU dumps them)."""
+        done = 0
+        for each in ranges:
+            for start, length in _pieces(each.start, each.length, _CHUNK):
+                done += _copy_piece(process.mem, process.copy, start, length)
+        return done
+
+
+def _size(ranges: dict[int, list[writetrack.Range]]) -> int:
+    return sum(each.length for found in ranges.values() for each in found)
+
+
+def start(images_dir: Path, pids: Sequence[int], progress: Progress) -> PreCopy:
+    """Track the writes of the processes ``pids`` (one job) and make their copy files in
+    ``images_dir``/.precopy. Raises NotTrackable, saying why, when none of them can be tracked."""
+    folder = images_dir / FOLDER
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o700)
+    job = PreCopy(folder, [])
+    for pid in pids:
+        if len(job.processes) >= MOST_PROCESSES:
+            job.untracked[pid] = f"more than {MOST_PROCESSES} processes are tracked"
+            continue
+        try:
+            job.processes.append(_track(folder, pid))
+        except NotTrackable as exc:
+            job.untracked[pid] = exc.message
+    if not job.processes:
+        job.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        reason = next(iter(job.untracked.values()), "the job has no process")
+        raise NotTrackable(reason)
+    if job.untracked:
+        progress(
+            f"pre-copy: {len(job.untracked)} process(es) dumped whole: {next(iter(job.untracked.values()))}"
+        )
+    return job
+
+
+def _track(folder: Path, pid: int) -> _Process:
+    inner = procfs.namespace_pid(pid)
+    if inner is None:
+        raise NotTrackable(f"process {pid} ended")
+    tracker = writetrack.track(pid)
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        tracker.close()
+        raise NotTrackable(f"cannot read the memory of process {pid}: {exc.strerror}") from None
+    copy = os.open(folder / f"copy-{pid}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    return _Process(pid, inner, tracker, copy, mem)
+
+
+def _pieces(start: int, length: int, most: int) -> Iterator[tuple[int, int]]:
+    end = start + length
+    while start < end:
+        yield start, min(most, end - start)
+        start += most
+
+
+def _copy_piece(mem: int, copy: int, start: int, length: int) -> int:
+    """Copy ``length`` bytes at ``start`` from /proc/PID/mem into the copy file; bytes copied (pages
+    that cannot be read, unmapped meanwhile, are skipped one by one)."""
+    try:
+        data = os.pread(mem, length, start)
+    except OSError:
+        data = b""
+    if len(data) == length:
+        os.pwrite(copy, data, start)
+        return length
+    done = 0
+    for page in range(start, start + length, PAGE_SIZE):
+        try:
+            one = os.pread(mem, PAGE_SIZE, page)
+        except OSError:
+            continue
+        if len(one) == PAGE_SIZE:
+            os.pwrite(copy, one, page)
+            done += PAGE_SIZE
+    return done
+
+
+# -- making the image whole -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Run:
+    vaddr: int
+    pages: int
+    source: int  # descriptor to read from
+    offset: int  # where in it
+    flags: int
+
+
+def _make_whole(pagemap: Path, found_file: Path, process: _Process, images_dir: Path) -> tuple[int, int]:
+    """Rewrite one process's pagemap and pages file with the pages found and not dumped; (pages dumped,
+    pages taken from the copy)."""
+    raw = pagemap.read_bytes()
+    messages = records(raw)
+    head = fields(messages[0])
+    pages_id = head.get(1)
+    if not isinstance(pages_id, int):
+        raise Incomplete(f"{pagemap.name} has no pages_id")
+    pages_path = images_dir / f"pages-{pages_id}.img"
+    dumped: list[tuple[int, int, int, int]] = []  # vaddr, pages, offset in the pages file, flags
+    offset = 0
+    for record in messages[1:]:
+        entry = fields(record)
+        vaddr, count, flags = entry.get(1), entry.get(5, entry.get(2)), entry.get(4, PE_PRESENT)
+        if not isinstance(vaddr, int) or not isinstance(count, int) or not isinstance(flags, int):
+            raise Incomplete(f"{pagemap.name} has an entry torpor cannot read")
+        if not flags & PE_PRESENT:
+            raise Incomplete(f"{pagemap.name} has pages that are not in it (flags {flags})")
+        dumped.append((vaddr, count, offset, flags))
+        offset += count * PAGE_SIZE
+    spans = [(r.start, r.start + r.length) for r in process.tracker.spans()]
+    found = _read_found(found_file)
+    held = _extents(process.copy)
+    pages = os.open(pages_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        runs = [_Run(v, n, pages, o, f) for v, n, o, f in dumped]
+        taken = 0
+        for start, end, categories in found:
+            if categories & _PAGE_IS_WRITTEN:
+                continue  # written since the last round: the dump's, if CRIU dumps it at all
+            for lo, hi in _subtract(
+                _clip(start, end, spans), [(v, v + n * PAGE_SIZE) for v, n, _, _ in dumped]
+            ):
+                for a, b, have in _split_held(lo, hi, held):
+                    if not have:
+                        if categories & _PAGE_IS_PRESENT:
+                            raise Incomplete(
+                                f"process {process.pid}: a page at {a:#x} was neither dumped nor copied"
+                            )
+                        continue  # a page never touched: its protection's marker reads as swapped
+                    runs.append(_Run(a, (b - a) // PAGE_SIZE, process.copy, a, PE_PRESENT))
+                    taken += (b - a) // PAGE_SIZE
+        runs.sort(key=lambda run: run.vaddr)
+        _check_disjoint(runs, process.pid)
+        _write_image(pagemap, pages_path, raw[:8], head, pages_id, runs, process.copy)
+    finally:
+        os.close(pages)
+    return sum(n for _, n, _, _ in dumped), taken
+
+
+def _read_found(path: Path) -> list[tuple[int, int, int]]:
+    data = path.read_bytes()
+    if len(data) % _FOUND.size:
+        raise Incomplete(f"{path.name} is cut short")
+    regions = sorted(_FOUND.iter_unpack(data))
+    merged: list[tuple[int, int, int]] = []
+    for start, end, categories in regions:  # a range scanned twice (a retried fill) is found twice
+        if merged and start < merged[-1][1]:
+            last = merged[-1]
+            if end > last[1]:
+                merged[-1] = (last[0], end, last[2] | categories)
+            continue
+        merged.append((start, end, categories))
+    return merged
+
+
+def _clip(start: int, end: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) within ``spans`` (sorted, disjoint)."""
+    return [(max(start, lo), min(end, hi)) for lo, hi in spans if lo < end and hi > start]
+
+
+def _subtract(pieces: list[tuple[int, int]], taken: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """``pieces`` less the sorted, disjoint ranges ``taken``."""
+    for lo, hi in pieces:
+        for t_lo, t_hi in taken:
+            if t_hi <= lo or t_lo >= hi:
+                continue
+            if t_lo > lo:
+                yield lo, t_lo
+            lo = max(lo, t_hi)
+            if lo >= hi:
+                break
+        if lo < hi:
+            yield lo, hi
+
+
+def _extents(fd: int) -> list[tuple[int, int]]:
+    """The ranges of the copy file that hold data (what the rounds copied), by SEEK_DATA/SEEK_HOLE."""
+    found: list[tuple[int, int]] = []
+    position = 0
+    while True:
+        try:
+            data = os.lseek(fd, position, _SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return found
+            raise
+        hole = os.lseek(fd, data, _SEEK_HOLE)
+        found.append((data, hole))
+        position = hole
+
+
+def _split_held(lo: int, hi: int, held: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """[lo, hi) cut into pieces the copy holds (True) or not (False)."""
+    for h_lo, h_hi in held:
+        if h_hi <= lo:
+            continue
+        if h_lo >= hi:
+            break
+        if h_lo > lo:
+            yield lo, h_lo, False
+            lo = h_lo
+        end = min(hi, h_hi)
+        yield lo, end, True
+        lo = end
+        if lo >= hi:
+            return
+    if lo < hi:
+        yield lo, hi, False
+
+
+def _check_disjoint(runs: Sequence[_Run], pid: int) -> None:
+    for before, after in itertools.pairwise(runs):
+        if before.vaddr + before.pages * PAGE_SIZE > after.vaddr:
+            raise Incomplete(f"process {pid}: pages at {after.vaddr:#x} would be in the image twice")
+
+
+def _write_image(
+    pagemap: Path,
+    pages_path: Path,
+    magic: bytes,
+    head: dict[int, int | bytes],
+    pages_id: int,
+    runs: Sequence[_Run],
+    copy: int,
+) -> None:
+    """Write the pages file and the pagemap of ``runs`` beside the old ones and rename them over."""
+    new_pages = pages_path.with_name(pages_path.name + ".whole")
+    out = os.open(new_pages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    entries: list[bytes] = [_message([(1, pages_id)])]
+    try:
+        position = 0
+        last: list[int] | None = None  # vaddr, pages, flags of the entry being built
+        for run in runs:
+            length = run.pages * PAGE_SIZE
+            _copy_range(run.source, run.offset, out, position, length)
+            if run.source == copy:  # the copy's memory is not needed again: give it back now
+                _libc.fallocate(copy, _FALLOC_PUNCH_HOLE, run.offset, length)
+            position += length
+            if last is not None and last[0] + last[1] * PAGE_SIZE == run.vaddr and last[2] == run.flags:
+                last[1] += run.pages
+            else:
+                if last is not None:
+                    entries.append(_entry(*last))
+                last = [run.vaddr, run.pages, run.flags]
+        if last is not None:
+            entries.append(_entry(*last))
+    finally:
+        os.close(out)
+    with open(pagemap.parent / prestore.REWRITTEN, "a") as rewritten:  # before the files change
+        rewritten.write(f"{pages_path.name}\n{pagemap.name}\n")
+    new_map = pagemap.with_name(pagemap.name + ".whole")
+    new_map.write_bytes(magic + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+    os.chmod(new_map, 0o600)
+    os.rename(new_pages, pages_path)
+    os.rename(new_map, pagemap)
+
+
+def _copy_range(source: int, offset: int, out: int, position: int, length: int) -> None:
+    while length:
+        done = os.copy_file_range(source, out, length, offset, position)
+        if done <= 0:
+            raise Incomplete("the copy of the job's memory ended early")
+        offset += done
+        position += done
+        length -= done
+
+
+def _entry(vaddr: int, pages: int, flags: int) -> bytes:
+    # CRIU 4.x: nr_pages in field 5, the old u32 field 2 (required) as zero
+    return _message([(1, vaddr), (2, 0), (4, flags), (5, pages)])
+
+
+def _message(values: Sequence[tuple[int, int]]) -> bytes:
+    out = bytearray()
+    for number, value in values:
+        out += _varint(number << 3) + _varint(value)
+    return bytes(out)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def remove(images_dir: Path) -> None:
+    """Remove the pre-copy's folder from ``images_dir`` (before it is stored)."""
+    shutil.rmtree(images_dir / FOLDER, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""Pre-copied checkpoints (torpor.core.precopy): the helpers that make the image whole, and a real job
+whose memory changes in every way while its rounds run, checkpointed and restored with real CRIU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from tests.conftest import Torpor, python_job
+
+from torpor.adapters import writetrack
+from torpor.core import precopy
+
+
+def test_subtract_and_split() -> None:
+    assert list(precopy._subtract([(0, 100)], [(10, 20), (50, 60)])) == [(0, 10), (20, 50), (60, 100)]
+    assert list(precopy._subtract([(10, 20)], [(0, 100)])) == []
+    held = [(0, 8192), (16384, 20480)]
+    assert list(precopy._split_held(4096, 20480, held)) == [
+        (4096, 8192, True),
+        (8192, 16384, False),
+        (16384, 20480, True),
+    ]
+    assert precopy._clip(0, 100, [(10, 20), (90, 200)]) == [(10, 20), (90, 100)]
+
+
+def test_found_regions_scanned_twice_are_merged(tmp_path: Path) -> None:
+    found = tmp_path / "found-1"
+    found.write_bytes(
+        b"".join(struct.pack("<QQQ", *r) for r in [(8192, 16384, 8), (0, 4096, 8), (8192, 12288, 2)])
+    )
+    assert precopy._read_found(found) == [(0, 4096, 8), (8192, 16384, 10)]
+    found.write_bytes(b"\0" * 10)
+    with pytest.raises(precopy.Incomplete):
+        precopy._read_found(found)
+
+
+def _checks(result: Path) -> dict[str, str]:
+    return {
+        path.name: path.read_text()
+        for path in result.parent.glob(result.name + "*")
+        if ".new" not in path.name
+    }
+
+
+@pytest.mark.criu
+@pytest.mark.root
+def test_a_pre_copied_checkpoint_restores_the_memory_of_the_freeze(torpor: Torpor, tmp_path: Path) -> None:
+    """The job writes a running sequence, maps, unmaps and drops memory, starts threads and forks a
+    child while the rounds run; restored, every page of every process is what it was at the freeze."""
+    if writetrack.probe() is not None:
+        pytest.skip(f"this machine cannot track writes: {writetrack.probe()}")
+    torpor.env["TORPOR_PRECOPY"] = "1"
+    result = tmp_path / "result"
+    torpor.run("run", "--name", "pc", *python_job("precopy_job.py", "64", "5000", str(result)))
+    torpor.wait_log("pc", "ready")
+    out = torpor.run("checkpoint", "pc")
+    assert "pre-copied in" in out.stderr, out.stderr
+    assert "came from the copy" in out.stderr, out.stderr
+    checkpoint = torpor.json("checkpoints", "pc")[-1]["id"]
+    time.sleep(0.5)  # the job goes on past its checkpoint: the restore must take it back
+    torpor.run("restore", "pc", "--from", checkpoint, "--force")
+    job = torpor.job("pc")
+    members = [
+        job["pid"],
+        *(int(c) for c in Path(f"/proc/{job['pid']}/task/{job['pid']}/children").read_text().split()),
+    ]
+    for pid in members:
+        os.kill(pid, signal.SIGUSR1)
+    # the threads answer before the main thread does, the child after it
+    torpor.wait_for(lambda: {"result", "result.child"} <= set(_checks(result)), 30, "every process's check")
+    checks = _checks(result)
+    assert any(name.startswith("result.thread-") for name in checks), checks
+    assert checks == {name: "ok" for name in checks}
+
+
+@pytest.mark.criu
+@pytest.mark.root
+def test_without_precopy_the_checkpoint_says_nothing_of_it(torpor: Torpor, tmp_path: Path) -> None:
+    torpor.env["TORPOR_PRECOPY"] = "0"
+    torpor.run("run", "--name", "plain", *python_job("precopy_job.py", "4", "100", str(tmp_path / "r")))
+    torpor.wait_log("plain", "ready")
+    out = torpor.run("checkpoint", "plain")
+    assert "pre-cop" not in out.stderr
