@@ -243,6 +243,11 @@ def _precopy(
         return None
     try:
         pre.copy_rounds(progress)
+    except (NotTrackable, OSError) as exc:  # a scan refused, the RAM for the copy ran out: dump whole
+        pre.close()
+        precopy.remove(staging)
+        progress(f"pre-copy stopped ({exc}): the whole memory is dumped while frozen")
+        return None
     except BaseException:
         pre.close()
         precopy.remove(staging)
