@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import Torpor, python_job
 
+from conftest import Torpor, python_job
 from torpor.adapters import writetrack
 from torpor.core import precopy
 

@@ -160,7 +160,11 @@ def test_a_stopped_process_is_refused_and_stays_stopped(child: Child) -> None:
         # or (closing its copy of the descriptor) made and stopped again
         with pytest.raises(writetrack.NotTrackable, match="is stopped"):
             writetrack._inject(child.process.pid, GETPID)
-        assert procfs.process_state(child.process.pid) == "T"
+        # detached with its stop signal given back, it runs for a moment before it takes it again
+        deadline = time.monotonic() + 10
+        while procfs.process_state(child.process.pid) != "T":
+            assert time.monotonic() < deadline, "the child did not stay stopped"
+            time.sleep(0.01)
         assert writetrack._inject(child.process.pid, GETPID, if_stopped=True) == child.process.pid
         time.sleep(0.1)
         assert procfs.process_state(child.process.pid) == "T"
