@@ -113,12 +113,6 @@ class PreCopy:
     rounds: list[policy.Round] = field(default_factory=list)
     why: str = ""
 
-    def __enter__(self) -> PreCopy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Stop tracking (the job's memory is no longer write-protected) and close the copies."""
         for each in self.processes:
