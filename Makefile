@@ -71,6 +71,7 @@ bench: setup
 	$(BIN)/python scripts/bench_kube.py
 	$(BIN)/python scripts/bench_migrate.py
 	$(BIN)/python scripts/bench_writetrack.py
+	$(BIN)/python scripts/bench_precopy.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

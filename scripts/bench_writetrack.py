@@ -142,7 +142,8 @@ def render(times: dict[str, list[float]], held: dict[int, dict[str, float]], lay
     lines = [
         "## Tracking a running job's writes: `adapters/writetrack.py` (`scripts/bench_writetrack.py`)",
         "",
-        "No checkpoint uses it yet (issue 31): this measures the building block. Tracking is a userfaultfd "
+        "Pre-copied checkpoints track a job only from their first round to their freeze (issue 31; "
+        "`scripts/bench_precopy.py`): this measures what tracking costs meanwhile. Tracking is a userfaultfd "
         "made inside the process through ptrace, write-protection in asynchronous mode (the kernel resolves "
         "each first write to a protected page itself) and PAGEMAP_SCAN.",
         "",

@@ -61,7 +61,12 @@ def test_a_pre_copied_checkpoint_restores_the_memory_of_the_freeze(torpor: Torpo
     out = torpor.run("checkpoint", "pc")
     assert "pre-copied in" in out.stderr, out.stderr
     assert "came from the copy" in out.stderr, out.stderr
-    checkpoint = torpor.json("checkpoints", "pc")[-1]["id"]
+    assert ", after pre-copying " in out.stdout, out.stdout
+    record = torpor.json("checkpoints", "pc")[-1]
+    checkpoint = record["id"]
+    # the rounds are kept with the checkpoint: the first copied all 64 MiB of the sequence
+    assert record["rounds"] and record["rounds"][0][0] >= 64 << 20, record
+    assert "B in " in torpor.run("checkpoints", "pc").stdout
     time.sleep(0.5)  # the job goes on past its checkpoint: the restore must take it back
     torpor.run("restore", "pc", "--from", checkpoint, "--force")
     job = torpor.job("pc")
@@ -85,4 +90,5 @@ def test_without_precopy_the_checkpoint_says_nothing_of_it(torpor: Torpor, tmp_p
     torpor.run("run", "--name", "plain", *python_job("precopy_job.py", "4", "100", str(tmp_path / "r")))
     torpor.wait_log("plain", "ready")
     out = torpor.run("checkpoint", "plain")
-    assert "pre-cop" not in out.stderr
+    assert "pre-cop" not in out.stderr + out.stdout
+    assert torpor.json("checkpoints", "plain")[-1]["rounds"] == []

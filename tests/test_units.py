@@ -4,6 +4,7 @@ round trips across the launcher boundary, and the CLI's help and rendering.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -20,9 +21,10 @@ from conftest import TORPOR, holders
 from torpor.adapters import criu, criuimage, criulog
 from torpor.adapters.system import ownprocess
 from torpor.apps import cli, render
+from torpor.apps.agent import wire
 from torpor.core import checkpoint as checkpointing
 from torpor.core.records import Records
-from torpor.core.recordtypes import Checkpoint, CheckpointId, JobName, JobState
+from torpor.core.recordtypes import Checkpoint, CheckpointId, JobName, JobState, rounds_from
 from torpor.core.rewind import written_sizes
 from torpor.errors import (
     CheckpointFailed,
@@ -96,6 +98,26 @@ def test_checkpoint_lookup_by_prefix(tmp_path: Path) -> None:
         records.find_checkpoint("a", "zzz")
     records.delete_job("a")
     assert records.checkpoints() == []
+
+
+def test_a_pre_copied_checkpoints_rounds_are_kept_with_it(tmp_path: Path) -> None:
+    """Its rounds come back from the records and over the agent's wire; deleted with the checkpoint."""
+    records = make_records(tmp_path)
+    rounds = ((64 << 20, 0.25), (4096, 0.001))
+    for cid, kept in (("abc111", rounds), ("abc222", ())):
+        records.add_checkpoint(
+            Checkpoint(CheckpointId(cid), JobName("a"), "checkpoint", 1.0, 0.1, 0.2, 10, "4.2.1", None, kept)
+        )
+    pre, plain = records.checkpoints("a")
+    assert pre.rounds == rounds and pre.precopied_bytes == (64 << 20) + 4096
+    assert plain.rounds == () and plain.precopied_bytes == 0
+    over_the_wire = json.loads(json.dumps(wire.checkpoint_to_dict(pre)))
+    assert wire.checkpoint_from_dict(over_the_wire) == pre
+    with pytest.raises(ValueError, match="pair expected"):
+        rounds_from([[1, 2, 3]])
+    records.delete_checkpoint(CheckpointId("abc111"))
+    with records.transaction() as db:
+        assert db.execute("SELECT COUNT(*) FROM precopies").fetchone()[0] == 0
 
 
 # -- CRIU images and logs -------------------------------------------------------------------------------

@@ -71,8 +71,8 @@ class Settings:
     hold_cpu_wakeups: bool = True
     #: copy a checkpoint's memory while the job runs, in rounds, so that the freeze dumps only what it
     #: wrote since the last round (:mod:`torpor.core.precopy`; where this machine can track writes);
-    #: off unless TORPOR_PRECOPY=1 while it is new
-    precopy: bool = False
+    #: TORPOR_PRECOPY=0: the whole memory is dumped while the job is frozen, as before
+    precopy: bool = True
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
     job_umask: int | None = None
@@ -170,7 +170,7 @@ class Settings:
             stream_restore=_env_bool("TORPOR_STREAM_RESTORE", True),
             stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
-            precopy=_env_bool("TORPOR_PRECOPY", False),
+            precopy=_env_bool("TORPOR_PRECOPY", True),
             net_bridge=env.get("TORPOR_BRIDGE") or "torpor0",
             net_subnet=env.get("TORPOR_SUBNET") or "10.213.0.0/24",
         )

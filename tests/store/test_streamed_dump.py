@@ -317,7 +317,9 @@ def _dump_streamed(torpor: Torpor, pid: int, tmp_path: Path, *, leave_running: b
 @pytest.mark.criu
 @pytest.mark.timeout(240)
 def test_a_job_dumped_by_streaming_comes_back_with_exactly_its_memory(torpor: Torpor) -> None:
-    """A checkpoint's pages go over memory set aside for them, a hibernation's over its older copy's."""
+    """A checkpoint's pages go over memory set aside for them, a hibernation's over its older copy's.
+    Whole dumps: a pre-copied one writes its pages from the copies it made while the job ran."""
+    torpor.env["TORPOR_PRECOPY"] = "0"
     pid, digest = _job(torpor, "exact", 64)
     reserve = checkpoint.reservations(procfs.memory_use(procfs.namespace_members(pid)))
     assert sum(reserve.values()) >= 64 * MiB  # its pages, set aside by its PID in its own namespace

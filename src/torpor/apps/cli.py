@@ -160,9 +160,18 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
 
 def _checkpoint_line(verb: str, checkpoint: Checkpoint) -> str:
     return (
-        f"{verb} {checkpoint.job} as {checkpoint.id}: frozen {checkpoint.freeze_s:.3f} s, "
-        f"image {human_bytes(checkpoint.size_bytes)}, total {checkpoint.total_s:.2f} s"
+        f"{verb} {checkpoint.job} as {checkpoint.id}: frozen {checkpoint.freeze_s:.3f} s"
+        f"{_precopied(checkpoint, ', after pre-copying ')}, image {human_bytes(checkpoint.size_bytes)}, "
+        f"total {checkpoint.total_s:.2f} s"
     )
+
+
+def _precopied(checkpoint: Checkpoint, lead: str = "") -> str:
+    """What a pre-copied checkpoint copied while the job ran ("" when it was not pre-copied)."""
+    if not checkpoint.rounds:
+        return ""
+    n = len(checkpoint.rounds)
+    return f"{lead}{human_bytes(checkpoint.precopied_bytes)} in {n} round{'s' if n > 1 else ''}"
 
 
 def _warn(args: argparse.Namespace) -> Any:
@@ -271,12 +280,13 @@ def cmd_checkpoints(engine: Engine, args: argparse.Namespace) -> int:
             human_bytes(c.size_bytes),
             human_bytes(image.stored_bytes) if image and image.state == "durable" else "-",
             f"{c.freeze_s:.3f} s",
+            _precopied(c) or "-",
             f"{c.total_s:.2f} s",
             image.state_text if image else "missing",
         ]
         for c in checkpoints
     ]
-    headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "STORED", "FROZEN", "TOTAL", "STATE"]
+    headers = ["ID", "JOB", "KIND", "TIME", "SIZE", "STORED", "FROZEN", "PRE-COPIED", "TOTAL", "STATE"]
     print(table(headers, rows) if rows else "no checkpoints")
     troubled = [(c.id, image) for c in checkpoints if (image := images.get(c.id)) and image.error]
     if troubled:

@@ -41,6 +41,7 @@ from torpor.core import jobnetworks, precopy, rewind
 from torpor.core.context import Context, Progress, quiet
 from torpor.core.control import CheckpointReply
 from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
+from torpor.core.store.pagemap import PAGE_SIZE
 from torpor.errors import (
     CheckpointFailed,
     JobExited,
@@ -50,6 +51,7 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.policy import retention, retry
+from torpor.policy.scheduler.sizes import format_size
 
 
 class Supervisor(Protocol):
@@ -117,6 +119,7 @@ def checkpoint_in_launcher(
         images = staging
         pre = _precopy(ctx, pids, images, hibernate, progress)
         dump_started = time.monotonic()
+        whole = reservations(memory) if in_ram and not hibernate else None
 
         def dump_once(pre: precopy.PreCopy | None) -> DumpStats:
             return dump(
@@ -135,15 +138,18 @@ def checkpoint_in_launcher(
                 hold_cpu_wakeups=ctx.settings.hold_cpu_wakeups,
                 capture_script=ctx.capture_script() if ctx.settings.stream_dump else None,
                 # a pre-copy's dump holds only what was written since its last round
-                reserve=reservations(memory) if in_ram and not hibernate and pre is None else None,
+                reserve=pre.reservations(whole) if pre is not None and whole is not None else whole,
                 taken=ctx.store.take_over_memory(name, images) if in_ram and pre is None else None,
                 env=pre.env() if pre is not None else None,
             )
 
+        rounds: tuple[tuple[int, float], ...] = ()
         try:
             stats = dump_once(pre)
             if pre is not None:
-                stats = _complete(pre, images, stats, lambda: dump_once(None), progress)
+                stats, summary = _complete(pre, images, stats, lambda: dump_once(None), progress)
+                if summary is not None:
+                    rounds = tuple((r.copied, r.seconds) for r in summary.rounds)
         finally:
             if pre is not None:
                 pre.close()
@@ -191,6 +197,7 @@ def checkpoint_in_launcher(
             size_bytes=stored.size_bytes,
             criu_version=info.version,
             parent=parent.id if parent else job.restored_from,
+            rounds=rounds,
         )
         records.add_checkpoint(checkpoint)
         if not for_copies:  # a template's leaves the job's list at once: it must not push one out
@@ -261,19 +268,21 @@ def _complete(
     stats: DumpStats,
     dump_whole: Callable[[], DumpStats],
     progress: Progress,
-) -> DumpStats:
-    """Make a pre-copied dump's image whole; where it cannot be, dump the job again, whole."""
+) -> tuple[DumpStats, precopy.Summary | None]:
+    """Make a pre-copied dump's image whole, and say what the pre-copy did; where the image cannot be
+    made whole, dump the job again, whole (no summary then: it was not pre-copied)."""
     try:
         summary = pre.complete(staging)
     except (PreCopyIncomplete, OSError) as exc:
         progress(f"the pre-copied image cannot be made whole ({exc}): dumping again, whole")
         _empty_folder(staging)
-        return dump_whole()
+        return dump_whole(), None
     progress(
-        f"{summary.line()}; the freeze dumped {summary.dumped_pages * 4096 / 2**20:.1f} MiB, "
-        f"{summary.copied_pages * 4096 / 2**20:.0f} MiB came from the copy"
+        f"{summary.line()}; the freeze dumped {format_size(summary.dumped_pages * PAGE_SIZE)}, "
+        f"{format_size(summary.copied_pages * PAGE_SIZE)} came from the copy; made whole in "
+        f"{summary.complete_s:.2f} s"
     )
-    return stats
+    return stats, summary
 
 
 def reservations(memory: list[procfs.MemoryUse]) -> dict[int, int]:

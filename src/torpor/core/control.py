@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torpor.core.recordtypes import Checkpoint, CheckpointKind
+from torpor.core.recordtypes import Checkpoint, CheckpointKind, rounds_from
 from torpor.errors import LauncherUnreachable, TorporError, UsageError, from_dict
 
 Progress = Callable[[str], None]
@@ -120,7 +120,9 @@ def progress(text: str) -> dict[str, Any]:
 
 
 def _checkpoint(data: dict[str, Any]) -> Checkpoint:
-    return Checkpoint(**{**data, "kind": CheckpointKind(data["kind"])})
+    return Checkpoint(
+        **{**data, "kind": CheckpointKind(data["kind"]), "rounds": rounds_from(data.get("rounds"))}
+    )
 
 
 # -- the client's end --------------------------------------------------------------------------------

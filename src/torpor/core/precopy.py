@@ -112,6 +112,8 @@ class PreCopy:
     untracked: dict[int, str] = field(default_factory=dict)
     rounds: list[policy.Round] = field(default_factory=list)
     why: str = ""
+    #: bytes each tracked process wrote since the last round (by PID on this machine): what its dump holds
+    pending: dict[int, int] = field(default_factory=dict)
 
     def close(self) -> None:
         """Stop tracking (the job's memory is no longer write-protected) and close the copies."""
@@ -140,7 +142,17 @@ class PreCopy:
             decision = policy.next_step(self.rounds, _size(looked), limits)
             if decision.again:  # protected again only now: a page written meanwhile is in this scan
                 ranges = {each.pid: each.tracker.written() for each in self.processes}
+            else:
+                self.pending = {pid: sum(r.length for r in found) for pid, found in looked.items()}
         self.why = decision.why
+
+    def reservations(self, whole: dict[int, int]) -> dict[int, int]:
+        """The memory to set aside for each process's pages in the dump (by PID in the job's namespace),
+        given ``whole``, what a whole dump would set aside: a tracked process's pages written since the
+        last round (more, if it writes on until the freeze: those come from fresh memory), an untracked
+        one's whole memory."""
+        tracked = {each.inner: self.pending.get(each.pid, 0) for each in self.processes}
+        return {inner: tracked.get(inner, size) for inner, size in whole.items()}
 
     def env(self) -> dict[str, str]:
         """CRIU's environment for the dump: the shim's folder, with the ranges whose copies torpor holds."""
@@ -175,9 +187,10 @@ class PreCopy:
         """Copy ``ranges`` of the process's memory into its copy file at their addresses; bytes copied.
         A range unmapped meanwhile is skipped (its pages, if mapped again, are new: CRIU dumps them)."""
         done = 0
+        buffer = memoryview(bytearray(_CHUNK))  # one buffer for all: fresh memory for each piece costs 4×
         for each in ranges:
             for start, length in _pieces(each.start, each.length, _CHUNK):
-                done += _copy_piece(process.mem, process.copy, start, length)
+                done += _copy_piece(process.mem, process.copy, start, buffer[:length])
         return done
 
 
@@ -233,24 +246,26 @@ def _pieces(start: int, length: int, most: int) -> Iterator[tuple[int, int]]:
         start += most
 
 
-def _copy_piece(mem: int, copy: int, start: int, length: int) -> int:
-    """Copy ``length`` bytes at ``start`` from /proc/PID/mem into the copy file; bytes copied (pages
-    that cannot be read, unmapped meanwhile, are skipped one by one)."""
+def _copy_piece(mem: int, copy: int, start: int, buffer: memoryview) -> int:
+    """Copy ``len(buffer)`` bytes at ``start`` from /proc/PID/mem into the copy file, through ``buffer``;
+    bytes copied (pages that cannot be read, unmapped meanwhile, are skipped one by one)."""
+    length = len(buffer)
     try:
-        data = os.pread(mem, length, start)
+        read = os.preadv(mem, [buffer], start)
     except OSError:
-        data = b""
-    if len(data) == length:
-        os.pwrite(copy, data, start)
+        read = 0
+    if read == length:
+        os.pwrite(copy, buffer, start)
         return length
     done = 0
-    for page in range(start, start + length, PAGE_SIZE):
+    page = buffer[:PAGE_SIZE]
+    for at in range(start, start + length, PAGE_SIZE):
         try:
-            one = os.pread(mem, PAGE_SIZE, page)
+            read = os.preadv(mem, [page], at)
         except OSError:
             continue
-        if len(one) == PAGE_SIZE:
-            os.pwrite(copy, one, page)
+        if read == PAGE_SIZE:
+            os.pwrite(copy, page, at)
             done += PAGE_SIZE
     return done
 

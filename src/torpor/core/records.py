@@ -29,6 +29,7 @@ from torpor.core.recordtypes import (
     JobState,
     Quota,
     Submission,
+    rounds_from,
 )
 from torpor.core.schema import SCHEMA, SCHEMA_VERSION
 from torpor.errors import CheckpointNotFound, EnvironmentProblem, JobNotFound, UsageError, WrongState
@@ -188,15 +189,18 @@ class Records:
                     checkpoint.parent,
                 ),
             )
+            if checkpoint.rounds:
+                db.execute(
+                    "INSERT INTO precopies(checkpoint, rounds) VALUES (?,?)",
+                    (checkpoint.id, json.dumps(checkpoint.rounds)),
+                )
 
     def checkpoints(self, job: str | None = None) -> list[Checkpoint]:
         with self.transaction() as db:
             if job is None:
-                rows = db.execute("SELECT * FROM checkpoints ORDER BY created_at").fetchall()
+                rows = db.execute(_CHECKPOINTS + " ORDER BY created_at").fetchall()
             else:
-                rows = db.execute(
-                    "SELECT * FROM checkpoints WHERE job=? ORDER BY created_at", (job,)
-                ).fetchall()
+                rows = db.execute(_CHECKPOINTS + " WHERE job=? ORDER BY created_at", (job,)).fetchall()
         return [_checkpoint(row) for row in rows]
 
     def latest_checkpoint(self, job: JobName) -> Checkpoint | None:
@@ -457,6 +461,13 @@ def _job(row: sqlite3.Row) -> Job:
     )
 
 
+#: a checkpoint's row with its pre-copy's rounds, if it had any
+_CHECKPOINTS = (
+    "SELECT checkpoints.*, precopies.rounds AS rounds FROM checkpoints"
+    " LEFT JOIN precopies ON precopies.checkpoint = checkpoints.id"
+)
+
+
 def _checkpoint(row: sqlite3.Row) -> Checkpoint:
     return Checkpoint(
         id=CheckpointId(row["id"]),
@@ -468,4 +479,5 @@ def _checkpoint(row: sqlite3.Row) -> Checkpoint:
         size_bytes=row["size_bytes"],
         criu_version=row["criu_version"],
         parent=CheckpointId(row["parent"]) if row["parent"] else None,
+        rounds=rounds_from(json.loads(row["rounds"])) if row["rounds"] else (),
     )

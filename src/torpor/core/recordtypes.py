@@ -80,6 +80,28 @@ class Checkpoint:
     size_bytes: int
     criu_version: str
     parent: CheckpointId | None
+    #: a pre-copied checkpoint's rounds, copied while the job ran: (bytes, seconds) each; () for a
+    #: checkpoint that was not pre-copied (its whole memory was dumped while it was frozen)
+    rounds: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def precopied_bytes(self) -> int:
+        """What the rounds copied in all."""
+        return sum(copied for copied, _ in self.rounds)
+
+
+def rounds_from(value: object) -> tuple[tuple[int, float], ...]:
+    """:attr:`Checkpoint.rounds` from JSON (lists of two numbers); ValueError for anything else."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"rounds: a list expected, not {type(value).__name__}")
+    found = []
+    for each in value:
+        if not isinstance(each, list | tuple) or len(each) != 2:
+            raise ValueError(f"rounds: a [bytes, seconds] pair expected, not {each!r}")
+        found.append((int(each[0]), float(each[1])))
+    return tuple(found)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     parent TEXT
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_job ON checkpoints(job, created_at);
+-- a pre-copied checkpoint's rounds (JSON: [bytes, seconds] each), copied while the job ran
+CREATE TABLE IF NOT EXISTS precopies (
+    checkpoint TEXT PRIMARY KEY REFERENCES checkpoints(id) ON DELETE CASCADE,
+    rounds TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS policies (
     job TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
     policy TEXT NOT NULL,

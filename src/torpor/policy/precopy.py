@@ -13,8 +13,8 @@ next round would copy (``pending``). The rules, after P.Haul's (the pre-copy dri
   state) thus gets one round;
 - freeze after ``most`` rounds, whatever is pending.
 
-Pure: the rounds so far and what is pending in, the decision and its reason out. No command calls it
-yet: the rounds are not built (issue 31).
+Pure: the rounds so far and what is pending in, the decision and its reason out
+(:meth:`torpor.core.precopy.PreCopy.copy_rounds` acts on it).
 """
 
 from __future__ import annotations

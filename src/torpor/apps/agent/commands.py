@@ -230,6 +230,8 @@ def _event_line(event: Event) -> str:
     costs = []
     if "freeze_s" in detail:
         costs.append(f"froze {float(str(detail['freeze_s'])):.3f} s")
+    if "precopied_bytes" in detail:
+        costs.append(f"pre-copied {human_bytes(int(str(detail['precopied_bytes'])))} first")
     if "size_bytes" in detail:
         costs.append(f"image {human_bytes(int(str(detail['size_bytes'])))}")
     if "freed_bytes" in detail:

@@ -563,6 +563,7 @@ _PASSING = frozenset({JobState.STARTING, JobState.CHECKPOINTING, JobState.RESTOR
 _SHOWN = (
     "durable_s",
     "freeze_s",
+    "precopied_bytes",
     "size_bytes",
     "total_s",
     "freed_bytes",
@@ -578,12 +579,18 @@ def _short(value: object) -> str:
 
 
 def checkpoint_costs(checkpoint: Checkpoint) -> dict[str, Any]:
-    """What an event of a checkpoint records of it: which one, and its freeze, total time and size."""
+    """What an event of a checkpoint records of it: which one, and its freeze, total time and size, and
+    what a pre-copy copied while the job ran (in how many rounds)."""
     return {
         "checkpoint": checkpoint.id,
         "freeze_s": checkpoint.freeze_s,
         "total_s": checkpoint.total_s,
         "size_bytes": checkpoint.size_bytes,
+        **(
+            {"precopied_bytes": checkpoint.precopied_bytes, "rounds": len(checkpoint.rounds)}
+            if checkpoint.rounds
+            else {}
+        ),
     }
 
 

@@ -23,6 +23,7 @@ from torpor.core.recordtypes import (
     JobState,
     Quota,
     Submission,
+    rounds_from,
 )
 
 
@@ -55,11 +56,11 @@ def checkpoint_to_dict(checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 def checkpoint_from_dict(data: dict[str, Any]) -> Checkpoint:
-    values = {f.name: data[f.name] for f in fields(Checkpoint)}
+    values = {f.name: data[f.name] for f in fields(Checkpoint) if f.name != "rounds"}
     values["id"] = CheckpointId(values["id"])
     values["job"] = JobName(values["job"])
     values["kind"] = CheckpointKind(values["kind"])
-    return Checkpoint(**values)
+    return Checkpoint(**values, rounds=rounds_from(data.get("rounds")))
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:
