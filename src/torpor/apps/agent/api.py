@@ -31,7 +31,7 @@ from torpor import __version__
 from torpor.apps.agent import arrivals, care, metrics, web, wire
 from torpor.apps.agent.login import PageLogin
 from torpor.apps.agent.scheduling import Scheduling, SubmitRequest
-from torpor.apps.agent.service import BY_DRAIN, Agent, checkpoint_costs
+from torpor.apps.agent.service import BY_DRAIN, Agent
 from torpor.core.context import Progress
 from torpor.core.peers import this_machine
 from torpor.errors import CheckpointNotFound as NoCheckpoint
@@ -210,7 +210,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
                 name, hibernate=body.hibernate, progress=progress, warn=warn, ext_unix_sk=body.ext_unix_sk
             )
             result: dict[str, Any] = wire.checkpoint_to_dict(taken)
-            costs = checkpoint_costs(taken)
+            costs = wire.checkpoint_costs(taken)
             if body.hibernate:
                 records.mark_hibernated(taken.job, None)  # a person's: not the agent's to bring back
                 result["freed_rss_bytes"] = costs["freed_bytes"] = before

@@ -28,6 +28,7 @@ from torpor.apps.agent import abroad
 from torpor.apps.agent.history import SAMPLE_EVERY_S, MemoryHistory
 from torpor.apps.agent.node import memory_controller, take_lock
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
+from torpor.apps.agent.wire import checkpoint_costs
 from torpor.core.engine import Engine
 from torpor.core.moves import Moves
 from torpor.core.recordtypes import Care, Checkpoint, Job, JobName, JobState
@@ -576,22 +577,6 @@ _SHOWN = (
 
 def _short(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
-def checkpoint_costs(checkpoint: Checkpoint) -> dict[str, Any]:
-    """What an event of a checkpoint records of it: which one, and its freeze, total time and size, and
-    what a pre-copy copied while the job ran (in how many rounds)."""
-    return {
-        "checkpoint": checkpoint.id,
-        "freeze_s": checkpoint.freeze_s,
-        "total_s": checkpoint.total_s,
-        "size_bytes": checkpoint.size_bytes,
-        **(
-            {"precopied_bytes": checkpoint.precopied_bytes, "rounds": len(checkpoint.rounds)}
-            if checkpoint.rounds
-            else {}
-        ),
-    }
 
 
 def wake_addresses(pids: list[int], ports: tuple[int, ...]) -> tuple[tuple[str, int], ...]:

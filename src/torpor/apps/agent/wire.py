@@ -63,6 +63,22 @@ def checkpoint_from_dict(data: dict[str, Any]) -> Checkpoint:
     return Checkpoint(**values, rounds=rounds_from(data.get("rounds")))
 
 
+def checkpoint_costs(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What an event of a checkpoint records of it: which one, and its freeze, total time and size, and
+    what a pre-copy copied while the job ran (in how many rounds)."""
+    return {
+        "checkpoint": checkpoint.id,
+        "freeze_s": checkpoint.freeze_s,
+        "total_s": checkpoint.total_s,
+        "size_bytes": checkpoint.size_bytes,
+        **(
+            {"precopied_bytes": checkpoint.precopied_bytes, "rounds": len(checkpoint.rounds)}
+            if checkpoint.rounds
+            else {}
+        ),
+    }
+
+
 def event_to_dict(event: Event) -> dict[str, Any]:
     return asdict(event)
 
