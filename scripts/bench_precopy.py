@@ -435,8 +435,10 @@ def render_training(run: Run, count: int, described: list[tuple[str, str]]) -> s
             "training processes (`scripts/bench_train.py serve --tick`: the 84 M parameter MLP with Adam, a "
             "step then 0.5 s of sleep, a thread ticking every 5 ms), one started with `TORPOR_PRECOPY=0`, one "
             f"with pre-copy, checkpointed in turn, {count} times each (medians; every sample below). A step "
-            "rewrites all of the weights and the optimizer's state, so the rounds stop after one: the issue's "
-            "bar is a freeze no longer than the whole dump's (≤ 1.1×).",
+            "rewrites all of the weights and the optimizer's state, and the sleep after it leaves them at rest: "
+            "the rounds shrink while the job sleeps and stop where a step rewrites them all, so the freeze is "
+            "short or, at worst, a whole dump's. The issue's bar: a freeze no longer than the whole dump's "
+            "(≤ 1.1×).",
             "",
             "| | felt | frozen (CRIU) | total | stored | rounds |",
             "|---|---|---|---|---|---|",

@@ -280,7 +280,7 @@ def _complete(
     progress(
         f"{summary.line()}; the freeze dumped {format_size(summary.dumped_pages * PAGE_SIZE)}, "
         f"{format_size(summary.copied_pages * PAGE_SIZE)} came from the copy; made whole in "
-        f"{summary.complete_s:.2f} s"
+        f"{summary.complete_s:.2f} s, moving {format_size(summary.moved)}"
     )
     return stats, summary
 

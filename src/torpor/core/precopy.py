@@ -27,8 +27,8 @@ jobs that use a GPU are not pre-copied.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import ctypes
 import errno
 import itertools
 import os
@@ -66,10 +66,6 @@ _PAGE_IS_PRESENT = 1 << 3
 
 _CHUNK = 8 << 20
 _SEEK_DATA, _SEEK_HOLE = 3, 4
-_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 @dataclass(frozen=True)
@@ -81,6 +77,8 @@ class Summary:
     #: pages the freeze dumped, and pages the image took from the copies
     dumped_pages: int = 0
     copied_pages: int = 0
+    #: bytes that making the image whole moved in the copy file or wrote into it
+    moved: int = 0
     complete_s: float = 0.0
 
     @property
@@ -98,8 +96,10 @@ class _Process:
     pid: int  # on this machine
     inner: int  # in the job's PID namespace, as CRIU names its images
     tracker: writetrack.Tracker
-    copy: int  # descriptor of .precopy/copy-PID: the pages at their addresses
+    copy: int  # descriptor of .precopy/copy-PID: round 1's pages one after another, in address order
+    extra: int  # descriptor of .precopy/extra-PID: pages copied later that round 1 had no place for
     mem: int  # descriptor of /proc/PID/mem
+    layout: _Layout = field(default_factory=lambda: _Layout())
 
 
 @dataclass
@@ -119,7 +119,7 @@ class PreCopy:
         """Stop tracking (the job's memory is no longer write-protected) and close the copies."""
         for each in self.processes:
             each.tracker.close()
-            for fd in (each.copy, each.mem):
+            for fd in (each.copy, each.extra, each.mem):
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.processes = []
@@ -172,25 +172,41 @@ class PreCopy:
         pagemap hold every page the dump found, from the dump or from the copies. Raises
         :class:`Incomplete` when a page found has no copy (the image is then as CRIU left it: partial)."""
         started = time.monotonic()
-        dumped = copied = 0
+        dumped = copied = moved = 0
         for each in self.processes:
             found_file = self.folder / f"found-{each.pid}"
             if not found_file.exists():
                 continue  # the shim did not filter this process's scans: CRIU dumped all of it
             pagemap = images_dir / f"pagemap-{each.inner}.img"
-            d, c = _make_whole(pagemap, found_file, each, images_dir)
+            d, c, m = _make_whole(pagemap, found_file, each, images_dir, self.folder / f"copy-{each.pid}")
             dumped += d
             copied += c
-        return Summary(tuple(self.rounds), self.why, dumped, copied, time.monotonic() - started)
+            moved += m
+        return Summary(tuple(self.rounds), self.why, dumped, copied, moved, time.monotonic() - started)
 
     def _copy(self, process: _Process, ranges: Sequence[writetrack.Range]) -> int:
-        """Copy ``ranges`` of the process's memory into its copy file at their addresses; bytes copied.
-        A range unmapped meanwhile is skipped (its pages, if mapped again, are new: CRIU dumps them)."""
+        """Copy ``ranges`` of the process's memory; bytes copied. The first round lays its pages one after
+        another in the copy file (in address order: the pages file the image will have); later rounds
+        write a page where round 1 put it, or at its address in the extra file. A range unmapped
+        meanwhile is skipped (its pages, if mapped again, are new: CRIU dumps them)."""
         done = 0
         buffer = memoryview(bytearray(_CHUNK))  # one buffer for all: fresh memory for each piece costs 4×
-        for each in ranges:
+        first = not process.layout.laid_out
+        for each in sorted(ranges, key=lambda r: r.start):
             for start, length in _pieces(each.start, each.length, _CHUNK):
-                done += _copy_piece(process.mem, process.copy, start, buffer[:length])
+                for at, data in _read_piece(process.mem, start, buffer[:length]):
+                    done += len(data)
+                    if first:
+                        os.pwrite(process.copy, data, process.layout.add(at, len(data)))
+                        continue
+                    for lo, hi, offset in process.layout.split(at, at + len(data)):
+                        piece = data[lo - at : hi - at]
+                        os.pwrite(
+                            process.extra if offset is None else process.copy,
+                            piece,
+                            lo if offset is None else offset,
+                        )
+        process.layout.laid_out = True
         return done
 
 
@@ -235,8 +251,10 @@ def _track(folder: Path, pid: int) -> _Process:
     except OSError as exc:
         tracker.close()
         raise NotTrackable(f"cannot read the memory of process {pid}: {exc.strerror}") from None
-    copy = os.open(folder / f"copy-{pid}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    return _Process(pid, inner, tracker, copy, mem)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    copy = os.open(folder / f"copy-{pid}", flags, 0o600)
+    extra = os.open(folder / f"extra-{pid}", flags, 0o600)
+    return _Process(pid, inner, tracker, copy, extra, mem)
 
 
 def _pieces(start: int, length: int, most: int) -> Iterator[tuple[int, int]]:
@@ -246,18 +264,18 @@ def _pieces(start: int, length: int, most: int) -> Iterator[tuple[int, int]]:
         start += most
 
 
-def _copy_piece(mem: int, copy: int, start: int, buffer: memoryview) -> int:
-    """Copy ``len(buffer)`` bytes at ``start`` from /proc/PID/mem into the copy file, through ``buffer``;
-    bytes copied (pages that cannot be read, unmapped meanwhile, are skipped one by one)."""
+def _read_piece(mem: int, start: int, buffer: memoryview) -> Iterator[tuple[int, memoryview]]:
+    """Read ``len(buffer)`` bytes at ``start`` from /proc/PID/mem into ``buffer``: (address, bytes) of what
+    could be read, all at once or page by page (pages unmapped meanwhile are skipped). Each answer is
+    valid until the next is asked for."""
     length = len(buffer)
     try:
         read = os.preadv(mem, [buffer], start)
     except OSError:
         read = 0
     if read == length:
-        os.pwrite(copy, buffer, start)
-        return length
-    done = 0
+        yield start, buffer
+        return
     page = buffer[:PAGE_SIZE]
     for at in range(start, start + length, PAGE_SIZE):
         try:
@@ -265,9 +283,52 @@ def _copy_piece(mem: int, copy: int, start: int, buffer: memoryview) -> int:
         except OSError:
             continue
         if read == PAGE_SIZE:
-            os.pwrite(copy, page, at)
-            done += PAGE_SIZE
-    return done
+            yield at, page
+
+
+@dataclass
+class _Layout:
+    """Where round 1 put each page in the copy file: runs of (address, end, offset), in address order,
+    one after another in the file."""
+
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    size: int = 0
+    laid_out: bool = False  # round 1 is over: no page is added any more
+
+    def add(self, vaddr: int, length: int) -> int:
+        """Place ``length`` bytes at ``vaddr`` after the pages placed so far; their offset in the file."""
+        if self.ends and vaddr < self.ends[-1]:
+            raise ValueError("round 1 copies in address order")
+        offset = self.size
+        if self.ends and self.ends[-1] == vaddr:
+            self.ends[-1] = vaddr + length
+        else:
+            self.starts.append(vaddr)
+            self.ends.append(vaddr + length)
+            self.offsets.append(offset)
+        self.size += length
+        return offset
+
+    def split(self, lo: int, hi: int) -> Iterator[tuple[int, int, int | None]]:
+        """[lo, hi) cut into pieces round 1 placed, with their offset, and pieces it did not (None)."""
+        index = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while lo < hi:
+            if index >= len(self.starts) or hi <= self.starts[index]:
+                yield lo, hi, None
+                return
+            start, end = self.starts[index], self.ends[index]
+            if lo >= end:
+                index += 1
+                continue
+            if lo < start:
+                yield lo, start, None
+                lo = start
+            top = min(hi, end)
+            yield lo, top, self.offsets[index] + lo - start
+            lo = top
+            index += 1
 
 
 # -- making the image whole -------------------------------------------------------------------------
@@ -282,9 +343,12 @@ class _Run:
     flags: int
 
 
-def _make_whole(pagemap: Path, found_file: Path, process: _Process, images_dir: Path) -> tuple[int, int]:
-    """Rewrite one process's pagemap and pages file with the pages found and not dumped; (pages dumped,
-    pages taken from the copy)."""
+def _make_whole(
+    pagemap: Path, found_file: Path, process: _Process, images_dir: Path, copy_path: Path
+) -> tuple[int, int, int]:
+    """Make one process's pages file and pagemap hold the pages found and not dumped too: the copy file,
+    its pages moved into place and the dump's written in, becomes the pages file. (Pages dumped, pages
+    taken from the copies, bytes moved or written in.)"""
     raw = pagemap.read_bytes()
     messages = records(raw)
     head = fields(messages[0])
@@ -305,7 +369,7 @@ def _make_whole(pagemap: Path, found_file: Path, process: _Process, images_dir: 
         offset += count * PAGE_SIZE
     spans = [(r.start, r.start + r.length) for r in process.tracker.spans()]
     found = _read_found(found_file)
-    held = _extents(process.copy)
+    extra = _extents(process.extra)
     pages = os.open(pages_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         runs = [_Run(v, n, pages, o, f) for v, n, o, f in dumped]
@@ -316,21 +380,37 @@ def _make_whole(pagemap: Path, found_file: Path, process: _Process, images_dir: 
             for lo, hi in _subtract(
                 _clip(start, end, spans), [(v, v + n * PAGE_SIZE) for v, n, _, _ in dumped]
             ):
-                for a, b, have in _split_held(lo, hi, held):
-                    if not have:
+                for a, b, have in _held(lo, hi, process, extra):
+                    if have is None:
                         if categories & _PAGE_IS_PRESENT:
                             raise Incomplete(
                                 f"process {process.pid}: a page at {a:#x} was neither dumped nor copied"
                             )
                         continue  # a page never touched: its protection's marker reads as swapped
-                    runs.append(_Run(a, (b - a) // PAGE_SIZE, process.copy, a, PE_PRESENT))
+                    runs.append(_Run(a, (b - a) // PAGE_SIZE, *have, PE_PRESENT))
                     taken += (b - a) // PAGE_SIZE
         runs.sort(key=lambda run: run.vaddr)
         _check_disjoint(runs, process.pid)
-        _write_image(pagemap, pages_path, raw[:8], head, pages_id, runs, process.copy)
+        moved = _assemble(runs, process.copy)
+        with open(pagemap.parent / prestore.REWRITTEN, "a") as rewritten:  # before the files change
+            rewritten.write(f"{pages_path.name}\n{pagemap.name}\n")
+        os.rename(copy_path, pages_path)
+        _write_pagemap(pagemap, raw[:8], pages_id, runs)
     finally:
         os.close(pages)
-    return sum(n for _, n, _, _ in dumped), taken
+    return sum(n for _, n, _, _ in dumped), taken, moved
+
+
+def _held(
+    lo: int, hi: int, process: _Process, extra: Sequence[tuple[int, int]]
+) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+    """[lo, hi) cut into pieces with where the copies hold them, (descriptor, offset), or None."""
+    for a, b, offset in process.layout.split(lo, hi):
+        if offset is not None:
+            yield a, b, (process.copy, offset)
+            continue
+        for c, d, have in _split_held(a, b, extra):
+            yield c, d, (process.extra, c) if have else None
 
 
 def _read_found(path: Path) -> list[tuple[int, int, int]]:
@@ -410,55 +490,67 @@ def _check_disjoint(runs: Sequence[_Run], pid: int) -> None:
             raise Incomplete(f"process {pid}: pages at {after.vaddr:#x} would be in the image twice")
 
 
-def _write_image(
-    pagemap: Path,
-    pages_path: Path,
-    magic: bytes,
-    head: dict[int, int | bytes],
-    pages_id: int,
-    runs: Sequence[_Run],
-    copy: int,
-) -> None:
-    """Write the pages file and the pagemap of ``runs`` beside the old ones and rename them over."""
-    new_pages = pages_path.with_name(pages_path.name + ".whole")
-    out = os.open(new_pages, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def _assemble(runs: Sequence[_Run], copy: int) -> int:
+    """Turn the copy file into the pages file of ``runs`` (in address order), in place; bytes moved.
+
+    Round 1 laid its pages out in address order, so a page of the image sits either where round 1 put
+    it or, where pages before it came or went since, a little before or after. Pages moving towards the
+    start are moved first, in address order, then those moving towards the end, in reverse: as the
+    order of the pages is kept, neither ever writes over a page not yet moved. Pages from elsewhere
+    (the dump, the extra file) are written last, into the places left for them."""
+    placed: list[tuple[_Run, int]] = []
+    position = 0
+    for run in runs:
+        placed.append((run, position))
+        position += run.pages * PAGE_SIZE
+    buffer = memoryview(bytearray(_CHUNK))
+    moved = 0
+    ours = [(run, to) for run, to in placed if run.source == copy and run.offset != to]
+    for run, to in ours:
+        if to < run.offset:
+            moved += _move(copy, run.offset, copy, to, run.pages * PAGE_SIZE, buffer)
+    for run, to in reversed(ours):
+        if to > run.offset:
+            moved += _move(copy, run.offset, copy, to, run.pages * PAGE_SIZE, buffer, backwards=True)
+    for run, to in placed:
+        if run.source != copy:
+            moved += _move(run.source, run.offset, copy, to, run.pages * PAGE_SIZE, buffer)
+    os.ftruncate(copy, position)
+    return moved
+
+
+def _move(
+    source: int, offset: int, out: int, to: int, length: int, buffer: memoryview, backwards: bool = False
+) -> int:
+    """Copy ``length`` bytes at ``offset`` of ``source`` to ``to`` of ``out`` through ``buffer``; overlapping
+    ranges of one file are safe forwards when ``to < offset``, backwards when ``to > offset``."""
+    pieces = list(_pieces(0, length, len(buffer)))
+    for at, size in reversed(pieces) if backwards else pieces:
+        view = buffer[:size]
+        if os.preadv(source, [view], offset + at) != size:
+            raise Incomplete("the copy of the job's memory ended early")
+        os.pwrite(out, view, to + at)
+    return length
+
+
+def _write_pagemap(pagemap: Path, magic: bytes, pages_id: int, runs: Sequence[_Run]) -> None:
+    """Write the pagemap of ``runs`` beside the old one and rename it over: runs that meet with the same
+    flags make one entry."""
     entries: list[bytes] = [_message([(1, pages_id)])]
-    try:
-        position = 0
-        last: list[int] | None = None  # vaddr, pages, flags of the entry being built
-        for run in runs:
-            length = run.pages * PAGE_SIZE
-            _copy_range(run.source, run.offset, out, position, length)
-            if run.source == copy:  # the copy's memory is not needed again: give it back now
-                _libc.fallocate(copy, _FALLOC_PUNCH_HOLE, run.offset, length)
-            position += length
-            if last is not None and last[0] + last[1] * PAGE_SIZE == run.vaddr and last[2] == run.flags:
-                last[1] += run.pages
-            else:
-                if last is not None:
-                    entries.append(_entry(*last))
-                last = [run.vaddr, run.pages, run.flags]
-        if last is not None:
-            entries.append(_entry(*last))
-    finally:
-        os.close(out)
-    with open(pagemap.parent / prestore.REWRITTEN, "a") as rewritten:  # before the files change
-        rewritten.write(f"{pages_path.name}\n{pagemap.name}\n")
+    last: list[int] | None = None  # vaddr, pages, flags of the entry being built
+    for run in runs:
+        if last is not None and last[0] + last[1] * PAGE_SIZE == run.vaddr and last[2] == run.flags:
+            last[1] += run.pages
+        else:
+            if last is not None:
+                entries.append(_entry(*last))
+            last = [run.vaddr, run.pages, run.flags]
+    if last is not None:
+        entries.append(_entry(*last))
     new_map = pagemap.with_name(pagemap.name + ".whole")
     new_map.write_bytes(magic + b"".join(struct.pack("<I", len(e)) + e for e in entries))
     os.chmod(new_map, 0o600)
-    os.rename(new_pages, pages_path)
     os.rename(new_map, pagemap)
-
-
-def _copy_range(source: int, offset: int, out: int, position: int, length: int) -> None:
-    while length:
-        done = os.copy_file_range(source, out, length, offset, position)
-        if done <= 0:
-            raise Incomplete("the copy of the job's memory ended early")
-        offset += done
-        position += done
-        length -= done
 
 
 def _entry(vaddr: int, pages: int, flags: int) -> bytes:
