@@ -4,13 +4,16 @@ what it wrote since.
 Order of a pre-copied checkpoint, inside :func:`torpor.core.checkpoint.checkpoint_in_launcher`::
 
     track each process's writes            adapters.writetrack (userfaultfd, asynchronous write-protect)
-    round 1: copy every page it holds      into .precopy/copy-PID in the staging folder (RAM), by address
-    round k: copy the pages written since  as long as policy.precopy says another round is worth it
+    round 1: copy every page it holds      into .precopy/copy-PID in the staging folder (RAM), one after
+                                           another in address order, as a pages file lays them out
+    round k: copy the pages written since  each where round 1 put it (or, new, in .precopy/extra-PID),
+                                           as long as policy.precopy says another round is worth it
     criu dump, told what torpor holds      criu-rlimits.c's "pages since": CRIU dumps the pages written
                                            since the last round, and lists every page it found
-    make the image whole (complete())      pages found and not dumped come from the copy; a copied page
-                                           no longer there stays out; pages-N.img and pagemap-N.img
-                                           are written again, so the image needs nothing else
+    make the image whole (complete())      the copy file becomes pages-N.img in place: pages move where
+                                           pages before them came or went, the dump's are written in, a
+                                           copied page no longer there stays out; pagemap-N.img is
+                                           written again, so the image needs nothing else
 
 Correct by construction: a page is left out of CRIU's dump only if the kernel says it was not written
 since it was protected, and it was protected before torpor copied it (the copy is at least as new as the
@@ -450,7 +453,8 @@ def _subtract(pieces: list[tuple[int, int]], taken: Sequence[tuple[int, int]]) -
 
 
 def _extents(fd: int) -> list[tuple[int, int]]:
-    """The ranges of the copy file that hold data (what the rounds copied), by SEEK_DATA/SEEK_HOLE."""
+    """The ranges of a sparse file that hold data (the extra file: what later rounds copied at their
+    addresses), by SEEK_DATA/SEEK_HOLE."""
     found: list[tuple[int, int]] = []
     position = 0
     while True:
@@ -466,7 +470,7 @@ def _extents(fd: int) -> list[tuple[int, int]]:
 
 
 def _split_held(lo: int, hi: int, held: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
-    """[lo, hi) cut into pieces the copy holds (True) or not (False)."""
+    """[lo, hi) cut into pieces ``held`` covers (True) or not (False)."""
     for h_lo, h_hi in held:
         if h_hi <= lo:
             continue
