@@ -46,6 +46,13 @@ def test_round_one_lays_pages_out_in_address_order_and_later_pages_find_their_pl
     assert list(layout.split(11 * page, 12 * page)) == [(11 * page, 12 * page, page)]
     with pytest.raises(ValueError):
         layout.add(page, page)
+    # what a round copies is in address order, a range given twice copied once
+    ranges = [
+        writetrack.Range(5 * page, 2 * page),
+        writetrack.Range(page, page),
+        writetrack.Range(6 * page, 3 * page),
+    ]
+    assert precopy._ordered(ranges) == [(page, 2 * page), (5 * page, 9 * page)]
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -195,22 +195,34 @@ class PreCopy:
         done = 0
         buffer = memoryview(bytearray(_CHUNK))  # one buffer for all: fresh memory for each piece costs 4×
         first = not process.layout.laid_out
-        for each in sorted(ranges, key=lambda r: r.start):
-            for start, length in _pieces(each.start, each.length, _CHUNK):
+        for lo, hi in _ordered(ranges):
+            for start, length in _pieces(lo, hi - lo, _CHUNK):
                 for at, data in _read_piece(process.mem, start, buffer[:length]):
                     done += len(data)
                     if first:
                         os.pwrite(process.copy, data, process.layout.add(at, len(data)))
                         continue
-                    for lo, hi, offset in process.layout.split(at, at + len(data)):
-                        piece = data[lo - at : hi - at]
+                    for a, b, offset in process.layout.split(at, at + len(data)):
+                        piece = data[a - at : b - at]
                         os.pwrite(
                             process.extra if offset is None else process.copy,
                             piece,
-                            lo if offset is None else offset,
+                            a if offset is None else offset,
                         )
         process.layout.laid_out = True
         return done
+
+
+def _ordered(ranges: Sequence[writetrack.Range]) -> list[tuple[int, int]]:
+    """``ranges`` as (start, end) in address order, those that overlap or meet made one."""
+    merged: list[tuple[int, int]] = []
+    for each in sorted(ranges, key=lambda r: r.start):
+        end = each.start + each.length
+        if merged and each.start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((each.start, end))
+    return merged
 
 
 def _size(ranges: dict[int, list[writetrack.Range]]) -> int:
