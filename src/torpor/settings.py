@@ -73,6 +73,9 @@ class Settings:
     #: wrote since the last round (:mod:`torpor.core.precopy`; where this machine can track writes);
     #: TORPOR_PRECOPY=0: the whole memory is dumped while the job is frozen, as before
     precopy: bool = True
+    #: TORPOR_GPU: "" refuses jobs that hold an NVIDIA GPU; "unverified" checkpoints them through the
+    #: driver's checkpoint API (:class:`torpor.adapters.gpu.CudaStage`), not yet verified on a GPU
+    gpu: str = ""
     #: the umask a job starts with: its caller's (the CLI reads it as it sets its own to 0o077, so that
     #: torpor's files and CRIU's images are private); ``None``: the launcher's as it started
     job_umask: int | None = None
@@ -171,6 +174,7 @@ class Settings:
             stream_dump=_env_bool("TORPOR_STREAM_DUMP", True),
             hold_cpu_wakeups=_env_bool("TORPOR_HOLD_CPU_WAKEUPS", True),
             precopy=_env_bool("TORPOR_PRECOPY", True),
+            gpu=_env_gpu(),
             net_bridge=env.get("TORPOR_BRIDGE") or "torpor0",
             net_subnet=env.get("TORPOR_SUBNET") or "10.213.0.0/24",
         )
@@ -223,6 +227,13 @@ def find_criu(configured: Path | None) -> Path | None:
         return beside
     found = shutil.which("criu", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
     return Path(found) if found else None
+
+
+def _env_gpu() -> str:
+    text = os.environ.get("TORPOR_GPU", "").strip().lower()
+    if text not in ("", "unverified"):
+        raise UsageError(f"TORPOR_GPU={text!r} must be empty (GPU jobs refused) or 'unverified'")
+    return text
 
 
 def _env_bool(name: str, default: bool) -> bool:

@@ -1,21 +1,32 @@
 """The GPU stage of a checkpoint: the place in the order of operations where device state is handled.
 
-The engine calls :meth:`GpuStage.before_dump` after the job is chosen and before CRIU runs, and
-:meth:`GpuStage.after_restore` once CRIU has restored the tree. The CUDA implementation (driver checkpoint
-API: lock, checkpoint to host, then CRIU; restore, unlock) arrives with its own issue. Until then
-:class:`NoGpuStage` checkpoints CPU jobs and refuses, with a clear message, a job that holds an NVIDIA
-device: CRIU cannot dump device memory and would fail obscurely.
+The engine calls :meth:`GpuStage.before_dump` after the job is chosen and before CRIU runs,
+:meth:`GpuStage.after_dump` once CRIU is done (also after a failed dump), and
+:meth:`GpuStage.after_restore` once CRIU has restored the tree.
+
+By default (:class:`NoGpuStage`) CPU jobs are checkpointed and a job that holds an NVIDIA device is
+refused with a clear message: CRIU cannot dump device memory and would fail obscurely.
+``TORPOR_GPU=unverified`` chooses :class:`CudaStage`, NVIDIA's driver checkpoint API
+(:mod:`torpor.adapters.cuda`): lock every CUDA process of the tree, move their device memory into host
+memory all at once, then CRIU; a job that runs on gets its GPU state back and is unlocked. Its logic is
+tested against a stand-in for the driver; it has not run on a GPU, hence the name of the setting.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from torpor.adapters import cuda
 from torpor.adapters.system import procfs
 from torpor.errors import CheckpointFailed
 
 NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
+
+#: how long the driver may take to lock a process (let its CUDA calls in flight finish)
+LOCK_TIMEOUT_MS = 10_000
 
 
 class GpuStage(Protocol):
@@ -35,7 +46,8 @@ class NoGpuStage:
     def before_dump(self, pids: list[int]) -> None:
         if procfs.uses_device(pids, NVIDIA_DEVICE_PREFIX):
             raise CheckpointFailed(
-                "this job uses an NVIDIA GPU; GPU checkpointing is not supported yet (CPU jobs only)"
+                "this job uses an NVIDIA GPU; GPU checkpointing is not supported yet (CPU jobs only; "
+                "TORPOR_GPU=unverified tries NVIDIA's checkpoint API, not verified on a GPU)"
             )
 
     def after_dump(self, pids: list[int], leave_running: bool) -> None:
@@ -43,6 +55,105 @@ class NoGpuStage:
 
     def after_restore(self, pids: list[int]) -> None:
         return None
+
+
+class CudaStage:
+    """Jobs that hold an NVIDIA GPU, through the driver's checkpoint API (``TORPOR_GPU=unverified``).
+
+    ``driver`` loads the driver when a job first needs it (:func:`torpor.adapters.cuda.load`; tests pass a
+    stand-in). Every lock comes before any checkpoint: a lock that fails unlocks those taken and the job
+    runs on, untouched. The checkpoints then run all at once, one thread each (the driver's calls do
+    not hold Python's lock); one that fails gives the others their state back, unlocks them all and
+    fails the checkpoint before CRIU runs."""
+
+    def __init__(
+        self, driver: Callable[[], cuda.Driver] = cuda.load, lock_timeout_ms: int = LOCK_TIMEOUT_MS
+    ) -> None:
+        self._load = driver
+        self._driver: cuda.Driver | None = None
+        self._lock_timeout_ms = lock_timeout_ms
+        self._held: list[int] = []  # checkpointed by before_dump, until after_dump
+
+    def before_dump(self, pids: list[int]) -> None:
+        self._held = []
+        users = procfs.device_users(pids, NVIDIA_DEVICE_PREFIX)
+        if not users:
+            return
+        driver = self._get()
+        locked: list[int] = []
+        try:
+            for pid in users:
+                driver.lock(pid, self._lock_timeout_ms)
+                locked.append(pid)
+        except cuda.CudaError as exc:
+            _each(driver.unlock, locked)
+            exc.details.append("the job runs on, its GPU untouched")
+            raise
+        done, failed = _all_at_once(driver.checkpoint, locked)
+        if failed is not None:
+            _each(driver.restore, done)
+            _each(driver.unlock, locked)
+            failed.details.append("the job runs on, its GPU state given back")
+            raise failed
+        self._held = locked
+
+    def after_dump(self, pids: list[int], leave_running: bool) -> None:
+        held, self._held = self._held, []
+        if not held or not leave_running:
+            return  # a hibernated job is gone: its GPU memory went with it
+        driver = self._get()
+        restored, failed = _all_at_once(driver.restore, held)
+        _each(driver.unlock, restored)
+        if failed is not None:
+            raise failed
+
+    def after_restore(self, pids: list[int]) -> None:
+        if driver_version() is None:
+            return  # no NVIDIA driver here: no process of this tree can hold CUDA state
+        driver = self._get()
+        waiting = [pid for pid in pids if driver.state(pid) == "checkpointed"]
+        restored, failed = _all_at_once(driver.restore, waiting)
+        _each(driver.unlock, restored)
+        if failed is not None:
+            raise failed
+
+    def _get(self) -> cuda.Driver:
+        if self._driver is None:
+            self._driver = self._load()
+        return self._driver
+
+
+def _all_at_once(call: Callable[[int], None], pids: Sequence[int]) -> tuple[list[int], cuda.CudaError | None]:
+    """``call`` for each of ``pids`` at the same time: those it succeeded for, and the first failure."""
+    if not pids:
+        return [], None
+    with ThreadPoolExecutor(len(pids), "torpor-gpu") as pool:
+        futures = {pid: pool.submit(call, pid) for pid in pids}
+    done: list[int] = []
+    failed: cuda.CudaError | None = None
+    for pid, future in futures.items():
+        error = future.exception()
+        if error is None:
+            done.append(pid)
+        elif isinstance(error, cuda.CudaError):
+            failed = failed or error
+        else:
+            raise error
+    return done, failed
+
+
+def _each(call: Callable[[int], None], pids: Sequence[int]) -> None:
+    """``call`` for each of ``pids``, on past a failure (undoing: the first failure is not the cause)."""
+    for pid in pids:
+        try:
+            call(pid)
+        except cuda.CudaError:
+            continue
+
+
+def stage(choice: str) -> GpuStage:
+    """The GPU stage TORPOR_GPU names (:attr:`torpor.settings.Settings.gpu`, checked there)."""
+    return CudaStage() if choice == "unverified" else NoGpuStage()
 
 
 def driver_version() -> str | None:

@@ -108,7 +108,9 @@ def checkpoint_in_launcher(
         memory = procfs.memory_use(pids)
         rss = sum(use.proportional for use in memory)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids, kind=kind.value)
-        ctx.gpu.before_dump(pids)
+        on_gpu = procfs.uses_device(pids, gpu.NVIDIA_DEVICE_PREFIX)
+        if on_gpu and ctx.settings.gpu == "unverified":
+            progress("GPU stage: NVIDIA's checkpoint API, not verified on a GPU yet (TORPOR_GPU=unverified)")
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
         # memory set aside for the pages, so that the host's faults on fresh memory are not paid while
         # the job is frozen: the memory of the job's older copy in RAM, taken over, or else (for a job
@@ -117,7 +119,7 @@ def checkpoint_in_launcher(
         # free, which writing memory first would only delay
         in_ram = ctx.settings.stream_dump and ctx.store.in_memory(staging)
         images = staging
-        pre = _precopy(ctx, pids, images, hibernate, progress)
+        pre = _precopy(ctx, pids, images, hibernate, on_gpu, progress)
         dump_started = time.monotonic()
         whole = reservations(memory) if in_ram and not hibernate else None
 
@@ -144,18 +146,21 @@ def checkpoint_in_launcher(
             )
 
         rounds: tuple[tuple[int, float], ...] = ()
+        dumped = False
         try:
+            ctx.gpu.before_dump(pids)  # a failure here has given the GPU back already
             stats = dump_once(pre)
             if pre is not None:
                 stats, summary = _complete(pre, images, stats, lambda: dump_once(None), progress)
                 if summary is not None:
                     rounds = tuple((r.copied, r.seconds) for r in summary.rounds)
+            dumped = True
         finally:
             if pre is not None:
                 pre.close()
                 precopy.remove(images)
-            if not hibernate:
-                ctx.gpu.after_dump(pids, leave_running=True)
+            # the job runs on unless a hibernation's dump went through (a failed one leaves it running)
+            ctx.gpu.after_dump(pids, leave_running=not (hibernate and dumped))
         dump_s = time.monotonic() - dump_started
         if hibernate:  # the job is gone: what its files are now is what it left; anything later is not its
             rewind.record_stopped(ctx.settings.job_dir(name), checkpoint_id, staging)
@@ -226,7 +231,7 @@ def checkpoint_in_launcher(
 
 
 def _precopy(
-    ctx: Context, pids: list[int], staging: Path, hibernate: bool, progress: Progress
+    ctx: Context, pids: list[int], staging: Path, hibernate: bool, on_gpu: bool, progress: Progress
 ) -> precopy.PreCopy | None:
     """Copy the job's memory while it runs (:mod:`torpor.core.precopy`), where it can be; else None,
     the progress saying why (the dump is then whole, as always)."""
@@ -237,7 +242,7 @@ def _precopy(
         why = "a hibernation dumps the job whole"
     elif not ctx.store.in_memory(staging):
         why = "the image is not staged in RAM"
-    elif procfs.uses_device(pids, gpu.NVIDIA_DEVICE_PREFIX):
+    elif on_gpu:
         why = "a GPU's writes into host memory cannot be tracked"
     if why is not None:
         if not hibernate:

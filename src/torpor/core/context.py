@@ -46,7 +46,7 @@ class Context:
         self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
     ) -> None:
         self.settings = settings
-        self.gpu: gpu.GpuStage = gpu_stage or gpu.NoGpuStage()
+        self.gpu: gpu.GpuStage = gpu_stage or gpu.stage(settings.gpu)
         make_state_private(settings)
         if not os.access(settings.home, os.W_OK):
             raise EnvironmentProblem(

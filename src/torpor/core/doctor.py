@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import gpu, writetrack
+from torpor.adapters import cuda, gpu, writetrack
 from torpor.adapters.criu import Criu
 from torpor.adapters.system import disk, machine
 from torpor.core.store import leftovers
@@ -26,7 +26,6 @@ from torpor.errors import TorporError
 from torpor.settings import Settings
 
 #: what the report says of checkpointing GPU memory
-GPU_CHECKPOINT = "not supported yet (CPU jobs only)"
 #: the user (and group) of the process doctor dumps to try another user's: nobody/nogroup on Debian
 PROBE_UID = 65534
 _SLEEP = shutil.which("sleep") or "/bin/sleep"
@@ -37,13 +36,26 @@ def store_ok(store: Mapping[str, Any]) -> bool:
     return store["config"] is not None and not store["environment_disagrees"]
 
 
+def _gpu_checkpoint(settings: Settings, driver: str | None) -> str:
+    """What happens to a job that holds a GPU here, in words."""
+    if settings.gpu != "unverified":
+        return "not supported yet (CPU jobs only; TORPOR_GPU=unverified tries NVIDIA's checkpoint API)"
+    if driver is None:
+        return "TORPOR_GPU=unverified, but there is no NVIDIA driver here"
+    try:
+        cuda.load()
+    except cuda.CudaError as exc:
+        return f"TORPOR_GPU=unverified, but {exc.message}"
+    return "NVIDIA's checkpoint API (TORPOR_GPU=unverified: not verified on a GPU yet)"
+
+
 def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     """What works here; ``store`` is the store configuration's report, taken into the result as is."""
     result: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
     criu = result["criu"] = _criu(settings)
     result["kernel"] = asdict(machine.kernel_features())
     result["gpu_driver"] = gpu.driver_version()
-    result["gpu_checkpoint"] = GPU_CHECKPOINT
+    result["gpu_checkpoint"] = _gpu_checkpoint(settings, result["gpu_driver"])
     home_ok = (
         os.access(settings.home, os.W_OK)
         if settings.home.exists()

@@ -239,20 +239,26 @@ def wait_gone(pid: int, ticks: int | None, timeout: float) -> bool:
 
 def uses_device(pids: list[int], prefix: str) -> bool:
     """Whether any of ``pids`` has a file under ``prefix`` open or mapped (e.g. ``/dev/nvidia``)."""
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                        return True
-                except OSError:
-                    continue
-            with open(f"/proc/{pid}/maps") as maps:
-                if any(prefix in line for line in maps):
+    return any(_uses_device(pid, prefix) for pid in pids)
+
+
+def device_users(pids: list[int], prefix: str) -> list[int]:
+    """Those of ``pids`` that have a file under ``prefix`` open or mapped."""
+    return [pid for pid in pids if _uses_device(pid, prefix)]
+
+
+def _uses_device(pid: int, prefix: str) -> bool:
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
                     return True
-        except OSError:
-            continue
-    return False
+            except OSError:
+                continue
+        with open(f"/proc/{pid}/maps") as maps:
+            return any(prefix in line for line in maps)
+    except OSError:
+        return False
 
 
 IO_URING = "anon_inode:[io_uring]"
