@@ -11,6 +11,7 @@ from torpor.policy.retry import (
     Retry,
     after_failed_dump,
     after_failed_resume,
+    cwd_folder_wait,
     stale_cwd_folder,
 )
 
@@ -66,3 +67,14 @@ def test_only_a_folder_of_root_s_older_than_a_dump_s_moment_is_taken_for_a_dead_
     assert stale_cwd_folder(STALE_CWD_FOLDER_S + 1, 0)
     assert not stale_cwd_folder(0.01, 0)  # another dump's, there for a moment
     assert not stale_cwd_folder(3600, 1000)  # put there by a user: not torpor's to remove
+
+
+def test_a_young_folder_of_root_s_is_waited_for_until_it_would_be_stale_and_no_longer() -> None:
+    """A dump that meets one a CRIU killed a moment ago waits it out (then removes it) rather than
+    failing every attempt; one to remove now, or someone else's, is not waited for."""
+    wait = cwd_folder_wait(1.0, 0)
+    assert STALE_CWD_FOLDER_S - 1.0 < wait <= STALE_CWD_FOLDER_S
+    assert stale_cwd_folder(1.0 + wait, 0)
+    assert cwd_folder_wait(STALE_CWD_FOLDER_S + 1, 0) == 0.0
+    assert cwd_folder_wait(0.5, 1000) == 0.0
+    assert cwd_folder_wait(-2.0, 0) <= STALE_CWD_FOLDER_S + 1  # a clock set back: still bounded

@@ -72,10 +72,11 @@ class CudaStage:
         self._load = driver
         self._driver: cuda.Driver | None = None
         self._lock_timeout_ms = lock_timeout_ms
-        self._held: list[int] = []  # checkpointed by before_dump, until after_dump
+        #: the processes before_dump checkpointed, by the tree it was given, until after_dump
+        self._held: dict[tuple[int, ...], list[int]] = {}
 
     def before_dump(self, pids: list[int]) -> None:
-        self._held = []
+        self._held.pop(_tree(pids), None)
         users = procfs.device_users(pids, NVIDIA_DEVICE_PREFIX)
         if not users:
             return
@@ -95,16 +96,20 @@ class CudaStage:
             _each(driver.unlock, locked)
             failed.details.append("the job runs on, its GPU state given back")
             raise failed
-        self._held = locked
+        self._held[_tree(pids)] = locked
 
     def after_dump(self, pids: list[int], leave_running: bool) -> None:
-        held, self._held = self._held, []
+        held = self._held.pop(_tree(pids), [])
         if not held or not leave_running:
             return  # a hibernated job is gone: its GPU memory went with it
         driver = self._get()
         restored, failed = _all_at_once(driver.restore, held)
         _each(driver.unlock, restored)
         if failed is not None:
+            stuck = sorted(set(held) - set(restored))
+            failed.details.append(
+                f"process(es) {', '.join(map(str, stuck))} keep their GPU state in host memory"
+            )
             raise failed
 
     def after_restore(self, pids: list[int]) -> None:
@@ -121,6 +126,10 @@ class CudaStage:
         if self._driver is None:
             self._driver = self._load()
         return self._driver
+
+
+def _tree(pids: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(pids))
 
 
 def _all_at_once(call: Callable[[int], None], pids: Sequence[int]) -> tuple[list[int], cuda.CudaError | None]:

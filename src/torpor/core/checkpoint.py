@@ -389,15 +389,22 @@ def _dump_streamed(
 
 def _remove_stale_cwd_folder(pid: int) -> None:
     """Remove the ``proc.crtools`` in the working directory of process ``pid`` if
-    :func:`torpor.policy.retry.stale_cwd_folder` says it is a dead CRIU's (only if empty: ``rmdir``)."""
+    :func:`torpor.policy.retry.stale_cwd_folder` says it is a dead CRIU's (only if empty: ``rmdir``);
+    for a young one, first wait as :func:`torpor.policy.retry.cwd_folder_wait` says."""
     try:
         cwd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
-        found = os.stat(retry.CWD_FOLDER, dir_fd=cwd, follow_symlinks=False)
-        if stat.S_ISDIR(found.st_mode) and retry.stale_cwd_folder(time.time() - found.st_mtime, found.st_uid):
-            os.rmdir(retry.CWD_FOLDER, dir_fd=cwd)
+        for _ in range(2):
+            found = os.stat(retry.CWD_FOLDER, dir_fd=cwd, follow_symlinks=False)
+            if not stat.S_ISDIR(found.st_mode):
+                return
+            age = time.time() - found.st_mtime
+            if retry.stale_cwd_folder(age, found.st_uid):
+                os.rmdir(retry.CWD_FOLDER, dir_fd=cwd)
+                return
+            time.sleep(retry.cwd_folder_wait(age, found.st_uid))
     except OSError:
         pass  # gone already, not empty, or not ours to remove: the next attempt (or its error) says
     finally:

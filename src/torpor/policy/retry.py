@@ -91,6 +91,17 @@ def stale_cwd_folder(age_s: float, owner_uid: int) -> bool:
     return owner_uid == 0 and age_s > STALE_CWD_FOLDER_S
 
 
+def cwd_folder_wait(age_s: float, owner_uid: int) -> float:
+    """Seconds to wait, after a dump met a ``proc.crtools`` ``age_s`` seconds old and owned by
+    ``owner_uid`` in the job's working directory, before looking at it again: none for one that
+    :func:`stale_cwd_folder` removes now, or that is not root's (it stays, and the error says so); for a
+    young one of root's, until it would be stale. A live dump's is gone within milliseconds, so one still
+    there then is a dead CRIU's: removed, rather than failing every attempt left within those seconds."""
+    if owner_uid != 0 or stale_cwd_folder(age_s, owner_uid):
+        return 0.0
+    return STALE_CWD_FOLDER_S - max(age_s, 0.0) + BACKOFF_S
+
+
 def _says(lines: Sequence[str], markers: Sequence[str]) -> bool:
     return any(marker in line for line in lines for marker in markers)
 
