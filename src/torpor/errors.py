@@ -116,6 +116,10 @@ class PreCopyIncomplete(CheckpointFailed):
     whole."""
 
 
+class CudaError(CheckpointFailed):
+    """A call of NVIDIA's checkpoint API failed, or the API is not there (torpor.adapters.cuda)."""
+
+
 class RestoreFailed(TorporError):
     exit_code = 5
 
@@ -177,6 +181,7 @@ _BY_NAME: dict[str, type[TorporError]] = {
         CheckpointFailed,
         JobExited,
         PreCopyIncomplete,
+        CudaError,
         RestoreFailed,
         StoreError,
         CorruptImage,

@@ -21,7 +21,7 @@ import ctypes
 import struct
 from typing import Protocol
 
-from torpor.errors import CheckpointFailed
+from torpor.errors import CudaError as CudaError  # raised here; callers name it cuda.CudaError
 
 #: CUprocessState
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
@@ -35,10 +35,6 @@ _ENTRY_POINTS = (
     "cuCheckpointProcessUnlock",
     "cuCheckpointProcessGetState",
 )
-
-
-class CudaError(CheckpointFailed):
-    """A call of the checkpoint API failed, or the API is not there."""
 
 
 class Driver(Protocol):

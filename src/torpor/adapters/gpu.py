@@ -21,7 +21,7 @@ from typing import Protocol
 
 from torpor.adapters import cuda
 from torpor.adapters.system import procfs
-from torpor.errors import CheckpointFailed
+from torpor.errors import CheckpointFailed, RestoreFailed
 
 NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
 
@@ -120,7 +120,7 @@ class CudaStage:
         restored, failed = _all_at_once(driver.restore, waiting)
         _each(driver.unlock, restored)
         if failed is not None:
-            raise failed
+            raise RestoreFailed(failed.message, details=failed.details) from failed
 
     def _get(self) -> cuda.Driver:
         if self._driver is None:

@@ -25,7 +25,6 @@ from torpor.core.store import leftovers
 from torpor.errors import TorporError
 from torpor.settings import Settings
 
-#: what the report says of checkpointing GPU memory
 #: the user (and group) of the process doctor dumps to try another user's: nobody/nogroup on Debian
 PROBE_UID = 65534
 _SLEEP = shutil.which("sleep") or "/bin/sleep"
