@@ -52,7 +52,7 @@ def test_round_one_lays_pages_out_in_address_order_and_later_pages_find_their_pl
         writetrack.Range(page, page),
         writetrack.Range(6 * page, 3 * page),
     ]
-    assert precopy._ordered(ranges) == [(page, 2 * page), (5 * page, 9 * page)]
+    assert writetrack.merged(ranges) == [writetrack.Range(page, page), writetrack.Range(5 * page, 4 * page)]
 
 
 @pytest.mark.parametrize("seed", range(40))

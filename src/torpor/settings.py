@@ -229,9 +229,13 @@ def find_criu(configured: Path | None) -> Path | None:
     return Path(found) if found else None
 
 
+#: TORPOR_GPU's value that checkpoints GPU jobs through NVIDIA's driver API, not yet verified on a GPU
+GPU_UNVERIFIED = "unverified"
+
+
 def _env_gpu() -> str:
     text = os.environ.get("TORPOR_GPU", "").strip().lower()
-    if text not in ("", "unverified"):
+    if text not in ("", GPU_UNVERIFIED):
         raise UsageError(f"TORPOR_GPU={text!r} must be empty (GPU jobs refused) or 'unverified'")
     return text
 

@@ -22,6 +22,7 @@ from typing import Protocol
 from torpor.adapters import cuda
 from torpor.adapters.system import procfs
 from torpor.errors import CheckpointFailed, RestoreFailed
+from torpor.settings import GPU_UNVERIFIED
 
 NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
 
@@ -162,7 +163,7 @@ def _each(call: Callable[[int], None], pids: Sequence[int]) -> None:
 
 def stage(choice: str) -> GpuStage:
     """The GPU stage TORPOR_GPU names (:attr:`torpor.settings.Settings.gpu`, checked there)."""
-    return CudaStage() if choice == "unverified" else NoGpuStage()
+    return CudaStage() if choice == GPU_UNVERIFIED else NoGpuStage()
 
 
 def driver_version() -> str | None:

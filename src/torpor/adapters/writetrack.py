@@ -36,7 +36,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torpor.adapters.system import procfs
@@ -255,15 +255,7 @@ class Tracker:
 
     def spans(self) -> list[Range]:
         """:meth:`ranges` merged where they meet or overlap (a mapping registered again once it grew)."""
-        spans: list[Range] = []
-        for each in self.ranges():
-            end = each.start + each.length
-            if spans and spans[-1].start + spans[-1].length >= each.start:
-                last = spans[-1]
-                spans[-1] = Range(last.start, max(last.start + last.length, end) - last.start)
-            else:
-                spans.append(each)
-        return spans
+        return merged(self.ranges())
 
     def _scan_span(
         self,
@@ -345,6 +337,19 @@ def track(pid: int) -> Tracker:
         tracker.close()
         raise
     return tracker
+
+
+def merged(ranges: Iterable[Range]) -> list[Range]:
+    """``ranges`` in address order, those that meet or overlap made one."""
+    found: list[Range] = []
+    for each in sorted(ranges, key=lambda r: r.start):
+        end = each.start + each.length
+        if found and found[-1].start + found[-1].length >= each.start:
+            last = found[-1]
+            found[-1] = Range(last.start, max(last.start + last.length, end) - last.start)
+        else:
+            found.append(each)
+    return found
 
 
 def probe() -> str | None:

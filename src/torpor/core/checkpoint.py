@@ -52,6 +52,7 @@ from torpor.errors import (
 )
 from torpor.policy import retention, retry
 from torpor.policy.scheduler.sizes import format_size
+from torpor.settings import GPU_UNVERIFIED
 
 
 class Supervisor(Protocol):
@@ -109,7 +110,7 @@ def checkpoint_in_launcher(
         rss = sum(use.proportional for use in memory)
         staging = ctx.store.staging_dir(checkpoint_id, size_hint=rss, pids=pids, kind=kind.value)
         on_gpu = procfs.uses_device(pids, gpu.NVIDIA_DEVICE_PREFIX)
-        if on_gpu and ctx.settings.gpu == "unverified":
+        if on_gpu and ctx.settings.gpu == GPU_UNVERIFIED:
             progress("GPU stage: NVIDIA's checkpoint API, not verified on a GPU yet (TORPOR_GPU=unverified)")
         progress(f"dumping {len(pids)} process(es), {rss / 2**20:.0f} MiB resident")
         # memory set aside for the pages, so that the host's faults on fresh memory are not paid while

@@ -23,7 +23,7 @@ from torpor.adapters.criu import Criu
 from torpor.adapters.system import disk, machine
 from torpor.core.store import leftovers
 from torpor.errors import TorporError
-from torpor.settings import Settings
+from torpor.settings import GPU_UNVERIFIED, Settings
 
 #: the user (and group) of the process doctor dumps to try another user's: nobody/nogroup on Debian
 PROBE_UID = 65534
@@ -37,7 +37,7 @@ def store_ok(store: Mapping[str, Any]) -> bool:
 
 def _gpu_checkpoint(settings: Settings, driver: str | None) -> str:
     """What happens to a job that holds a GPU here, in words."""
-    if settings.gpu != "unverified":
+    if settings.gpu != GPU_UNVERIFIED:
         return "not supported yet (CPU jobs only; TORPOR_GPU=unverified tries NVIDIA's checkpoint API)"
     if driver is None:
         return "TORPOR_GPU=unverified, but there is no NVIDIA driver here"

@@ -138,7 +138,8 @@ class PreCopy:
         decision = policy.next_step(self.rounds, _size(ranges), limits)
         while decision.again:
             started = time.monotonic()
-            copied = sum(self._copy(each, ranges[each.pid]) for each in self.processes)
+            first = not self.rounds
+            copied = sum(self._copy(each, ranges[each.pid], first) for each in self.processes)
             self.rounds.append(policy.Round(copied, time.monotonic() - started))
             progress(f"pre-copy {decision.why}: copied in {self.rounds[-1].seconds:.2f} s")
             looked = {each.pid: each.tracker.written(protect=False) for each in self.processes}
@@ -187,16 +188,15 @@ class PreCopy:
             moved += m
         return Summary(tuple(self.rounds), self.why, dumped, copied, moved, time.monotonic() - started)
 
-    def _copy(self, process: _Process, ranges: Sequence[writetrack.Range]) -> int:
-        """Copy ``ranges`` of the process's memory; bytes copied. The first round lays its pages one after
+    def _copy(self, process: _Process, ranges: Sequence[writetrack.Range], first: bool) -> int:
+        """Copy ``ranges`` of the process's memory; bytes copied. The ``first`` round lays its pages one after
         another in the copy file (in address order: the pages file the image will have); later rounds
         write a page where round 1 put it, or at its address in the extra file. A range unmapped
         meanwhile is skipped (its pages, if mapped again, are new: CRIU dumps them)."""
         done = 0
         buffer = memoryview(bytearray(_CHUNK))  # one buffer for all: fresh memory for each piece costs 4×
-        first = not process.layout.laid_out
-        for lo, hi in _ordered(ranges):
-            for start, length in _pieces(lo, hi - lo, _CHUNK):
+        for each in writetrack.merged(ranges):  # in address order, a range given twice copied once
+            for start, length in _pieces(each.start, each.length, _CHUNK):
                 for at, data in _read_piece(process.mem, start, buffer[:length]):
                     done += len(data)
                     if first:
@@ -209,20 +209,7 @@ class PreCopy:
                             piece,
                             a if offset is None else offset,
                         )
-        process.layout.laid_out = True
         return done
-
-
-def _ordered(ranges: Sequence[writetrack.Range]) -> list[tuple[int, int]]:
-    """``ranges`` as (start, end) in address order, those that overlap or meet made one."""
-    merged: list[tuple[int, int]] = []
-    for each in sorted(ranges, key=lambda r: r.start):
-        end = each.start + each.length
-        if merged and each.start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((each.start, end))
-    return merged
 
 
 def _size(ranges: dict[int, list[writetrack.Range]]) -> int:
@@ -310,7 +297,6 @@ class _Layout:
     ends: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     size: int = 0
-    laid_out: bool = False  # round 1 is over: no page is added any more
 
     def add(self, vaddr: int, length: int) -> int:
         """Place ``length`` bytes at ``vaddr`` after the pages placed so far; their offset in the file."""
