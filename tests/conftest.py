@@ -139,6 +139,26 @@ def holders(path: Path) -> list[int]:
     return found
 
 
+@contextmanager
+def gpu_holders(devices: Path, minors: int) -> Iterator[list[int]]:
+    """Processes holding ``devices``/nvidia0, nvidia1… open, one each, then one that holds none: GPU
+    users as /proc shows them, for tests that point ``torpor.adapters.gpu.NVIDIA_DEVICE_PREFIX`` at
+    ``devices``/nvidia (no machine these tests run on has an NVIDIA GPU)."""
+    devices.mkdir(parents=True, exist_ok=True)
+    processes = []
+    try:
+        for n in range(minors):
+            (devices / f"nvidia{n}").touch()
+            with open(devices / f"nvidia{n}") as held:
+                processes.append(subprocess.Popen(["sleep", "60"], stdin=held))
+        processes.append(subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL))
+        yield [p.pid for p in processes]
+    finally:
+        for each in processes:
+            each.kill()
+            each.wait()
+
+
 def python_job(script: str, *args: str) -> list[str]:
     return ["--", sys.executable, "-u", str(JOBS / script), *args]
 

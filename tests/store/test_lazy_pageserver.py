@@ -28,6 +28,7 @@ from conftest import Torpor, holders
 from torpor.adapters.criu import Criu, restored_root
 from torpor.adapters.folder import FolderBackend
 from torpor.adapters.pageserver import IOV, PS_IOV_ADD_F, PS_IOV_FORCE_CLOSE, PS_IOV_GET, PageServer
+from torpor.core.gpujobs import GpuJobs
 from torpor.core.restore import LAZY_KILL, restore_into_launcher
 from torpor.core.store.lazy import LazyImage, extent_slices, file_ranges
 from torpor.core.store.manifest import ChunkId
@@ -381,6 +382,7 @@ def test_a_page_source_that_fails_while_lazy_pages_starts_ends_the_restore_befor
         raise AssertionError("criu restore ran")
 
     ctx = SimpleNamespace(
+        gpu=GpuJobs(""),
         criu_log=lambda name, kind, checkpoint_id: tmp_path / f"{kind}.log",
         store=SimpleNamespace(page_source=page_source),
         criu=SimpleNamespace(
@@ -435,6 +437,7 @@ def test_a_page_the_store_cannot_give_while_criu_restore_runs_kills_the_tree_nam
         raise RestoreFailed("criu restore failed (exit status 1)")
 
     ctx = SimpleNamespace(
+        gpu=GpuJobs(""),
         criu_log=lambda name, kind, checkpoint_id: tmp_path / f"{kind}.log",
         store=SimpleNamespace(page_source=lambda checkpoint_id, dest: Source()),
         criu=SimpleNamespace(

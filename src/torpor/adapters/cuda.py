@@ -12,13 +12,15 @@ Argument structures, per the driver API's reference (each 64 bytes, reserved fie
 ``CUcheckpointLockArgs`` {u32 timeoutMs, u32 reserved0, u64 reserved1[7]};
 ``CUcheckpointCheckpointArgs`` and ``CUcheckpointUnlockArgs`` {u64 reserved[8]};
 ``CUcheckpointRestoreArgs`` {CUcheckpointGpuPair *gpuPairs, u32 gpuPairsCount, char reserved[44],
-u64 reserved1} (no remapping: a null list).
+u64 reserved1}, where ``CUcheckpointGpuPair`` is {CUuuid oldUuid, CUuuid newUuid} (16 bytes each: the
+UUID NVML writes as ``GPU-xxxxxxxx-…``, as bytes); no remapping: a null list.
 """
 
 from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 from typing import Protocol
 
 from torpor.errors import CudaError as CudaError  # raised here; callers name it cuda.CudaError
@@ -28,6 +30,8 @@ STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 
 _ARGS = 64
 _LIBRARY = "libcuda.so.1"
+#: what the driver answers a process it cannot checkpoint (the lock reports it)
+_NOT_SUPPORTED = "CUDA_ERROR_NOT_SUPPORTED"
 _ENTRY_POINTS = (
     "cuCheckpointProcessLock",
     "cuCheckpointProcessCheckpoint",
@@ -42,7 +46,10 @@ class Driver(Protocol):
 
     def lock(self, pid: int, timeout_ms: int) -> None: ...
     def checkpoint(self, pid: int) -> None: ...
-    def restore(self, pid: int) -> None: ...
+    def restore(self, pid: int, pairs: Sequence[tuple[str, str]] = ()) -> None:
+        """Device memory back from host memory; ``pairs``: (old, new) GPU UUIDs, when GPUs change."""
+        ...
+
     def unlock(self, pid: int) -> None: ...
     def state(self, pid: int) -> str | None:
         """The process's CUDA state (:data:`STATES`), or None for a process the driver does not know."""
@@ -68,8 +75,12 @@ class LibCuda:
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid, ctypes.create_string_buffer(_ARGS), "checkpoint")
 
-    def restore(self, pid: int) -> None:
-        self._call("cuCheckpointProcessRestore", pid, ctypes.create_string_buffer(_ARGS), "restore")
+    def restore(self, pid: int, pairs: Sequence[tuple[str, str]] = ()) -> None:
+        args = ctypes.create_string_buffer(_ARGS)
+        table = ctypes.create_string_buffer(b"".join(uuid_bytes(old) + uuid_bytes(new) for old, new in pairs))
+        if pairs:  # the table lives until the call returns: this frame holds it
+            struct.pack_into("<QI", args, 0, ctypes.addressof(table), len(pairs))
+        self._call("cuCheckpointProcessRestore", pid, args, "restore")
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, ctypes.create_string_buffer(_ARGS), "unlock")
@@ -83,13 +94,27 @@ class LibCuda:
     def _call(self, name: str, pid: int, args: ctypes.Array[ctypes.c_char], what: str) -> None:
         code = getattr(self._cuda, name)(pid, args)
         if code != 0:
-            raise CudaError(f"the CUDA driver could not {what} process {pid}: {self._name(code)}")
+            name = self._name(code)
+            hint = (
+                " (the checkpoint API supports no UVM (managed) or CUDA IPC memory, MIG or MPS)"
+                if name == _NOT_SUPPORTED
+                else ""
+            )
+            raise CudaError(f"the CUDA driver could not {what} process {pid}: {name}{hint}")
 
     def _name(self, code: int) -> str:
         text = ctypes.c_char_p()
         if self._cuda.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value:
             return text.value.decode(errors="replace")
         return f"error {code}"
+
+
+def uuid_bytes(uuid: str) -> bytes:
+    """The 16 bytes of a GPU's UUID as NVML writes it (``GPU-6f3b…`` or ``MIG-…``); ValueError if not one."""
+    digits = uuid.split("-", 1)[1].replace("-", "") if uuid[:4] in ("GPU-", "MIG-") else ""
+    if len(digits) != 32:
+        raise ValueError(f"not a GPU UUID: {uuid!r}")
+    return bytes.fromhex(digits)
 
 
 def load() -> LibCuda:

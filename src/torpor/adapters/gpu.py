@@ -1,15 +1,14 @@
 """The GPU stage of a checkpoint: the place in the order of operations where device state is handled.
 
-The engine calls :meth:`GpuStage.before_dump` after the job is chosen and before CRIU runs,
-:meth:`GpuStage.after_dump` once CRIU is done (also after a failed dump), and
-:meth:`GpuStage.after_restore` once CRIU has restored the tree.
+:mod:`torpor.core.gpujobs` calls :meth:`GpuStage.before_dump` after the job is chosen, checked and
+found to hold a GPU, and before CRIU runs, :meth:`GpuStage.after_dump` once CRIU is done (also after a
+failed dump), and :meth:`GpuStage.after_restore` once CRIU has restored the tree. What it refuses, and
+onto which GPUs a restore goes, are decided there (:mod:`torpor.policy.gpu`).
 
-By default (:class:`NoGpuStage`) CPU jobs are checkpointed and a job that holds an NVIDIA device is
-refused with a clear message: CRIU cannot dump device memory and would fail obscurely.
-``TORPOR_GPU=unverified`` chooses :class:`CudaStage`, NVIDIA's driver checkpoint API
-(:mod:`torpor.adapters.cuda`): lock every CUDA process of the tree, move their device memory into host
-memory all at once, then CRIU; a job that runs on gets its GPU state back and is unlocked. Its logic is
-tested against a stand-in for the driver; it has not run on a GPU, hence the name of the setting.
+:class:`CudaStage` is NVIDIA's driver checkpoint API (:mod:`torpor.adapters.cuda`): lock every CUDA
+process of the tree, move their device memory into host memory all at once, then CRIU; a job that runs
+on gets its GPU state back and is unlocked. Its logic is tested against a stand-in for the driver; it
+has not run on a GPU, hence the name of the setting that enables it (``TORPOR_GPU=unverified``).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from typing import Protocol
 
 from torpor.adapters import cuda
 from torpor.adapters.system import procfs
-from torpor.errors import CheckpointFailed, RestoreFailed
-from torpor.settings import GPU_UNVERIFIED
+from torpor.errors import RestoreFailed
 
 NVIDIA_DEVICE_PREFIX = "/dev/nvidia"
 
@@ -32,30 +30,13 @@ LOCK_TIMEOUT_MS = 10_000
 
 class GpuStage(Protocol):
     def before_dump(self, pids: list[int]) -> None:
-        """Bring device state to host memory so CRIU can dump it (or refuse)."""
+        """Bring the device state of those of ``pids`` that hold a GPU to host memory, for CRIU."""
 
     def after_dump(self, pids: list[int], leave_running: bool) -> None:
         """Give the device back to a job that keeps running (also after a failed dump)."""
 
-    def after_restore(self, pids: list[int]) -> None:
-        """Put device state back after CRIU restored the tree."""
-
-
-class NoGpuStage:
-    """CPU-only jobs: nothing to do; a job holding an NVIDIA device is refused."""
-
-    def before_dump(self, pids: list[int]) -> None:
-        if procfs.uses_device(pids, NVIDIA_DEVICE_PREFIX):
-            raise CheckpointFailed(
-                "this job uses an NVIDIA GPU; GPU checkpointing is not supported yet (CPU jobs only; "
-                "TORPOR_GPU=unverified tries NVIDIA's checkpoint API, not verified on a GPU)"
-            )
-
-    def after_dump(self, pids: list[int], leave_running: bool) -> None:
-        return None
-
-    def after_restore(self, pids: list[int]) -> None:
-        return None
+    def after_restore(self, pids: list[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
+        """Put device state back after CRIU restored the tree; ``pairs``: (old, new) GPU UUIDs."""
 
 
 class CudaStage:
@@ -113,12 +94,10 @@ class CudaStage:
             )
             raise failed
 
-    def after_restore(self, pids: list[int]) -> None:
-        if driver_version() is None:
-            return  # no NVIDIA driver here: no process of this tree can hold CUDA state
+    def after_restore(self, pids: list[int], pairs: Sequence[tuple[str, str]] = ()) -> None:
         driver = self._get()
         waiting = [pid for pid in pids if driver.state(pid) == "checkpointed"]
-        restored, failed = _all_at_once(driver.restore, waiting)
+        restored, failed = _all_at_once(lambda pid: driver.restore(pid, pairs), waiting)
         _each(driver.unlock, restored)
         if failed is not None:
             raise RestoreFailed(failed.message, details=failed.details) from failed
@@ -161,9 +140,14 @@ def _each(call: Callable[[int], None], pids: Sequence[int]) -> None:
             continue
 
 
-def stage(choice: str) -> GpuStage:
-    """The GPU stage TORPOR_GPU names (:attr:`torpor.settings.Settings.gpu`, checked there)."""
-    return CudaStage() if choice == GPU_UNVERIFIED else NoGpuStage()
+def gpu_minors(pids: list[int]) -> set[int]:
+    """N of each ``/dev/nvidiaN`` any of ``pids`` holds open or mapped: the GPUs they use."""
+    found = set()
+    for path in procfs.device_files(pids, NVIDIA_DEVICE_PREFIX):
+        tail = path[len(NVIDIA_DEVICE_PREFIX) :]
+        if tail.isdigit():
+            found.add(int(tail))
+    return found
 
 
 def driver_version() -> str | None:

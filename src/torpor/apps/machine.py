@@ -161,6 +161,13 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     )
     driver = report["gpu_driver"]
     print(f"{mark(driver)} GPU driver: {driver or 'none'}; GPU checkpoint: {report['gpu_checkpoint']}")
+    for device in report["gpus"]:
+        print(
+            f"    GPU {device['minor']}: {device['name']}, {human_bytes(device['memory_bytes'])}, "
+            f"{device['uuid']}{', MIG mode' if device['mig'] else ''}"
+        )
+    if report["gpus_error"]:
+        print(f"--  GPUs cannot be listed: {report['gpus_error']}")
     free = report.get("home_free_bytes")
     print(
         f"{mark(report['home_writable'])} state directory writable: {'yes' if report['home_writable'] else 'NO'}"

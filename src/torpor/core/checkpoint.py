@@ -149,7 +149,9 @@ def checkpoint_in_launcher(
         rounds: tuple[tuple[int, float], ...] = ()
         dumped = False
         try:
-            ctx.gpu.before_dump(pids)  # a failure here has given the GPU back already
+            done = ctx.gpu.before_dump(pids, images)  # a failure here has given the GPU back already
+            if done is not None:
+                progress(done)
             stats = dump_once(pre)
             if pre is not None:
                 stats, summary = _complete(pre, images, stats, lambda: dump_once(None), progress)

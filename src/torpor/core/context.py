@@ -18,6 +18,7 @@ from torpor.adapters import gpu
 from torpor.adapters.criu import Criu, RestoreGate
 from torpor.adapters.imagestreamer import CAPTURE_SCRIPT
 from torpor.adapters.system import private
+from torpor.core.gpujobs import GpuJobs
 from torpor.core.records import Records
 from torpor.core.recordtypes import CheckpointId, JobName
 from torpor.core.store import ImageStore, open_store
@@ -46,7 +47,7 @@ class Context:
         self, settings: Settings, gpu_stage: gpu.GpuStage | None = None, check_store_env: bool = True
     ) -> None:
         self.settings = settings
-        self.gpu: gpu.GpuStage = gpu_stage or gpu.stage(settings.gpu)
+        self.gpu = GpuJobs(settings.gpu, gpu_stage)
         make_state_private(settings)
         if not os.access(settings.home, os.W_OK):
             raise EnvironmentProblem(

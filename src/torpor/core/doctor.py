@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor import __version__
-from torpor.adapters import cuda, gpu, writetrack
+from torpor.adapters import cuda, gpu, nvml, writetrack
 from torpor.adapters.criu import Criu
 from torpor.adapters.system import disk, machine
 from torpor.core.store import leftovers
@@ -48,6 +48,17 @@ def _gpu_checkpoint(settings: Settings, driver: str | None) -> str:
     return "NVIDIA's checkpoint API (TORPOR_GPU=unverified: not verified on a GPU yet)"
 
 
+def _gpus(driver: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """This machine's GPUs through NVML (UUID, name, memory, MIG mode), and why not, if they cannot be read."""
+    if driver is None:
+        return [], None
+    try:
+        devices = nvml.load().gpus()
+    except cuda.CudaError as exc:
+        return [], exc.message
+    return [asdict(device) for device in devices], None
+
+
 def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     """What works here; ``store`` is the store configuration's report, taken into the result as is."""
     result: dict[str, Any] = {"torpor": __version__, "home": str(settings.home)}
@@ -55,6 +66,7 @@ def report(settings: Settings, store: Mapping[str, Any]) -> dict[str, Any]:
     result["kernel"] = asdict(machine.kernel_features())
     result["gpu_driver"] = gpu.driver_version()
     result["gpu_checkpoint"] = _gpu_checkpoint(settings, result["gpu_driver"])
+    result["gpus"], result["gpus_error"] = _gpus(result["gpu_driver"])
     home_ok = (
         os.access(settings.home, os.W_OK)
         if settings.home.exists()

@@ -84,6 +84,7 @@ def restore_into_launcher(
                 os.kill(pid, signal.SIGKILL)
 
     try:
+        gpus = ctx.gpu.before_restore(image_dir)  # refused here, before anything runs
         if lazy:
             log = ctx.criu_log(job.name, "lazy-pages", checkpoint_id)
             if served:
@@ -127,7 +128,7 @@ def restore_into_launcher(
         root.append(pid)
         restored.set()
         members = procfs.namespace_members(pid)
-        ctx.gpu.after_restore(members)
+        ctx.gpu.after_restore(members, gpus)
         tell_restored(members)
     except BaseException as exc:
         restored.set()

@@ -247,6 +247,24 @@ def device_users(pids: list[int], prefix: str) -> list[int]:
     return [pid for pid in pids if _uses_device(pid, prefix)]
 
 
+def device_files(pids: list[int], prefix: str) -> set[str]:
+    """The paths under ``prefix`` that any of ``pids`` has open or mapped."""
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        found.add(target)
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith(prefix):
+                        found.add(fields[5].rstrip("\n"))
+    return found
+
+
 def _uses_device(pid: int, prefix: str) -> bool:
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -343,7 +343,7 @@ def create_app(agent: Agent, token: str | None = None) -> FastAPI:
         return report.to_dict() if report else None
 
     arrivals.add_routes(app, agent)
-    metrics.add_routes(app, lambda: engine, records.events)
+    metrics.add_routes(app, lambda: engine, records.events).register(agent.gpu_watch)
     web.add_routes(
         app,
         lambda: engine,

@@ -25,6 +25,7 @@ from typing import Any
 
 from torpor.adapters.system import procfs, sockets
 from torpor.apps.agent import abroad
+from torpor.apps.agent.gpuwatch import GpuWatch
 from torpor.apps.agent.history import SAMPLE_EVERY_S, MemoryHistory
 from torpor.apps.agent.node import memory_controller, take_lock
 from torpor.apps.agent.scheduling import SchedulerOptions, Scheduling
@@ -129,6 +130,9 @@ class Agent:
         #: called each round with the jobs as read (the wake-on-connect keeper hooks in here)
         self.round_hooks: list[Callable[[list[Job], dict[JobName, Care]], None]] = []
         self.round_hooks.append(abroad.CutOffMoves(self.engine, self.event))
+        #: reads the GPUs (through NVML, where there is a driver) and hibernates the jobs of a failing one
+        self.gpu_watch = GpuWatch(self)
+        self.round_hooks.append(self.gpu_watch)
         #: called with a job's name before anyone restores it through the agent (the keeper lets go of
         #: the ports it holds for it: the restored job's listening sockets need them)
         self.before_restore: list[Callable[[JobName], None]] = []
