@@ -213,9 +213,9 @@ def _jobs(driver: FakeDriver, reader: FakeNvml, mps: bool = False, choice: str =
 def test_by_default_a_gpu_job_is_refused_naming_the_setting(gpu_users: list[int], tmp_path: Path) -> None:
     driver = FakeDriver(gpu_users[:3])
     with pytest.raises(CheckpointFailed, match="TORPOR_GPU=unverified"):
-        _jobs(driver, FakeNvml([]), choice="").before_dump(gpu_users, tmp_path)
+        _jobs(driver, FakeNvml([]), choice="").before_dump(gpu_users)
     assert driver.calls == []
-    _jobs(driver, FakeNvml([]), choice="").before_dump(gpu_users[3:], tmp_path)  # a CPU job passes
+    _jobs(driver, FakeNvml([]), choice="").before_dump(gpu_users[3:])  # a CPU job passes
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_an_old_driver_a_mig_gpu_or_mps_is_refused_before_anything_is_locked(
 ) -> None:
     driver = FakeDriver(gpu_users[:3])
     with pytest.raises(CheckpointFailed, match=refusal) as caught:
-        _jobs(driver, reader, mps).before_dump(gpu_users, tmp_path)
+        _jobs(driver, reader, mps).before_dump(gpu_users)
     assert "the job runs on, its GPU untouched" in caught.value.details
     assert driver.calls == []
     assert not (tmp_path / GPUS_FILE).exists()
@@ -241,21 +241,35 @@ def test_the_image_keeps_the_gpus_the_job_used_and_only_those(gpu_users: list[in
     driver = FakeDriver(gpu_users[:3])
     reader = FakeNvml([device(n) for n in range(4)] + [device(5, mig=True)])  # 3 and 5: not the job's
     jobs = _jobs(driver, reader)
-    said = jobs.before_dump(gpu_users, tmp_path)
+    said = jobs.before_dump(gpu_users)
     assert said is not None and said.startswith("GPU stage: 3 CUDA process(es) locked and checkpointed in ")
     assert driver.states == dict.fromkeys(gpu_users[:3], "checkpointed")
+    assert not (
+        tmp_path / GPUS_FILE
+    ).exists()  # written once the dump went through: a retry empties the folder
+    jobs.after_dump(gpu_users, True, tmp_path)
     noted = json.loads((tmp_path / GPUS_FILE).read_text())
     assert noted["driver"] == "575.51.03"
     assert [each["uuid"] for each in noted["gpus"]] == [device(n).uuid for n in range(3)]
-    jobs.after_dump(gpu_users, leave_running=True)
     assert driver.states == dict.fromkeys(gpu_users[:3], "running")
+
+
+def test_a_failed_dump_gives_the_gpu_back_and_notes_nothing(gpu_users: list[int], tmp_path: Path) -> None:
+    driver = FakeDriver(gpu_users[:3])
+    jobs = _jobs(driver, FakeNvml([device(n) for n in range(3)]))
+    jobs.before_dump(gpu_users)
+    jobs.after_dump(gpu_users, True, None)
+    assert driver.states == dict.fromkeys(gpu_users[:3], "running")
+    assert not (tmp_path / GPUS_FILE).exists()
 
 
 def test_a_restore_goes_onto_the_same_gpus_or_others_of_their_type_and_is_refused_elsewhere(
     gpu_users: list[int], tmp_path: Path
 ) -> None:
     driver = FakeDriver(gpu_users[:3])
-    _jobs(driver, FakeNvml([device(n) for n in range(3)])).before_dump(gpu_users, tmp_path)
+    hibernated = _jobs(driver, FakeNvml([device(n) for n in range(3)]))
+    hibernated.before_dump(gpu_users)
+    hibernated.after_dump(gpu_users, False, tmp_path)
     assert _jobs(driver, FakeNvml([device(n) for n in range(4)])).before_restore(tmp_path) == ()
     moved = _jobs(driver, FakeNvml([device(n) for n in (0, 1, 7)])).before_restore(tmp_path)
     assert moved is not None and dict(moved)[device(2).uuid] == device(7).uuid
@@ -291,4 +305,4 @@ def test_an_image_without_gpu_state_neither_opens_nvml_nor_touches_the_driver(
     pairs = jobs.before_restore(tmp_path)
     assert pairs is None
     jobs.after_restore(gpu_users, pairs)
-    assert jobs.before_dump(gpu_users[3:], tmp_path) is None
+    assert jobs.before_dump(gpu_users[3:]) is None

@@ -149,7 +149,7 @@ def checkpoint_in_launcher(
         rounds: tuple[tuple[int, float], ...] = ()
         dumped = False
         try:
-            done = ctx.gpu.before_dump(pids, images)  # a failure here has given the GPU back already
+            done = ctx.gpu.before_dump(pids)  # a failure here has given the GPU back already
             if done is not None:
                 progress(done)
             stats = dump_once(pre)
@@ -163,7 +163,7 @@ def checkpoint_in_launcher(
                 pre.close()
                 precopy.remove(images)
             # the job runs on unless a hibernation's dump went through (a failed one leaves it running)
-            ctx.gpu.after_dump(pids, leave_running=not (hibernate and dumped))
+            ctx.gpu.after_dump(pids, not (hibernate and dumped), images if dumped else None)
         dump_s = time.monotonic() - dump_started
         if hibernate:  # the job is gone: what its files are now is what it left; anything later is not its
             rewind.record_stopped(ctx.settings.job_dir(name), checkpoint_id, staging)

@@ -56,10 +56,12 @@ class GpuJobs:
         self._load_nvml = nvml_loader
         self._nvml: nvml.Nvml | None = None
         self._mps = mps
+        #: what before_dump found of each tree's GPUs, until after_dump writes it into the image
+        self._noted: dict[tuple[int, ...], dict[str, object]] = {}
 
-    def before_dump(self, pids: list[int], image_dir: Path) -> str | None:
-        """Refuse, or bring the GPU state of ``pids`` to host memory and note the GPUs in ``image_dir``;
-        what was done, in words for the progress line (None for a job without a GPU)."""
+    def before_dump(self, pids: list[int]) -> str | None:
+        """Refuse, or bring the GPU state of ``pids`` to host memory; what was done, in words for the
+        progress line (None for a job without a GPU)."""
         users = procfs.device_users(pids, gpu.NVIDIA_DEVICE_PREFIX)
         if not users:
             return None
@@ -78,11 +80,20 @@ class GpuJobs:
         started = time.monotonic()
         self.stage.before_dump(pids)  # keeps what it did by the whole tree, as after_dump names it
         took = time.monotonic() - started
-        noted = {"driver": version, "gpus": [each.to_json() for each in used], "gpu_stage_s": took}
-        (image_dir / GPUS_FILE).write_text(json.dumps(noted, indent=1) + "\n")
+        self._noted[_tree(pids)] = {
+            "driver": version,
+            "gpus": [each.to_json() for each in used],
+            "gpu_stage_s": took,
+        }
         return f"GPU stage: {len(users)} CUDA process(es) locked and checkpointed in {took:.2f} s"
 
-    def after_dump(self, pids: list[int], leave_running: bool) -> None:
+    def after_dump(self, pids: list[int], leave_running: bool, image_dir: Path | None) -> None:
+        """Give the GPU back to a job that runs on; ``image_dir``: the dump went through, into there, and
+        its image keeps the GPUs' facts (:data:`GPUS_FILE`). Not written earlier: a dump tried again
+        starts from an empty folder."""
+        noted = self._noted.pop(_tree(pids), None)
+        if noted is not None and image_dir is not None:
+            (image_dir / GPUS_FILE).write_text(json.dumps(noted, indent=1) + "\n")
         if self.enabled:
             self.stage.after_dump(pids, leave_running)
 
@@ -115,6 +126,10 @@ class GpuJobs:
         if self._nvml is None:
             self._nvml = self._load_nvml()
         return self._nvml
+
+
+def _tree(pids: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(pids))
 
 
 def saved_gpus(image_dir: Path) -> Sequence[policy.Gpu] | None:
