@@ -479,3 +479,23 @@ def test_a_stalled_torpor_job_is_hibernated_and_finishes_after_its_restore(
         assert job.oom_kills() == 0 and job.limit() == 400 * MiB
     finally:
         torpor.run("rm", "--force", "grower", check=False)
+
+
+def test_the_mount_a_path_is_on_is_the_deepest_and_the_last_mounted_there(tmp_path: Path) -> None:
+    from torpor.adapters.system.mounts import mount_of
+
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "20 1 8:1 / / rw - overlay overlay rw\n"
+        "21 20 8:2 /pods/u/volumes/kubernetes.io~empty-dir/s /scratch rw - ext4 /dev/sda2 rw\n"
+        "22 20 0:5 / /scr rw - tmpfs tmpfs rw\n"
+        "23 21 0:6 / /scratch rw - tmpfs tmpfs rw\n"
+        "24 20 8:3 /a\\040b /with\\040space rw - ext4 /dev/sda3 rw\n"
+    )
+    mount = mount_of("/scratch/x/y", table)
+    assert mount is not None and (str(mount.point), mount.fstype) == ("/scratch", "tmpfs")  # mounted over
+    mount = mount_of("/scratchpad/z", table)  # not below /scratch, nor /scr
+    assert mount is not None and str(mount.point) == "/"
+    mount = mount_of("/with space/f", table)
+    assert mount is not None and mount.root == "/a b"
+    assert mount_of("/x", tmp_path / "absent") is None

@@ -115,6 +115,33 @@ def test_a_pod_stopped_hibernates_its_job_and_the_next_pod_of_its_identity_resum
     assert third.stop() == 0
 
 
+def test_the_files_a_job_writes_in_its_pod_follow_it_to_the_next_pod_on_another_node(
+    store: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The next pod's node has nothing of the first pod's own file system: without its file, the job
+    could not be restored there (CRIU finds it missing) and would start over."""
+    folder, env = store
+    scratch = tmp_path / "container" / "work" / "scratch.txt"  # on the root file system: the pod's own
+    scratch.parent.mkdir(parents=True)
+    job = ("python3", "-u", str(JOBS / "scratch_writer.py"), str(scratch))
+    first = Pod(folder, env, "a", *job)
+    first.wait_output(r"^step 5$")
+    assert first.stop() == 0
+    assert "kept 1 file(s) the job writes in this pod" in first.said()
+    written = scratch.read_text()
+    shutil.rmtree(tmp_path / "container")  # the other node: none of it there
+
+    second = Pod(folder, env, "b", *job)
+    last = int(written.split()[-1])
+    second.wait_output(rf"^step {last + 3}$")
+    assert "put back 1 file(s) the job writes" in second.said()
+    assert re.search(r"resumed its hibernated job: restored from \w+", second.said())
+    assert second.stop() == 0
+    numbers = [int(n) for n in scratch.read_text().split()]
+    assert numbers == list(range(len(numbers))) and len(numbers) > last + 3  # no gap, nothing twice
+    assert oct(scratch.stat().st_mode & 0o777) == oct(0o644 & ~os.umask(os.umask(0)))
+
+
 def test_a_job_that_exits_ends_its_identity_with_its_exit_code(store: tuple[Path, dict[str, str]]) -> None:
     folder, env = store
     first = Pod(folder, env, "a", "python3", "-u", str(JOBS / "counter.py"), "3")

@@ -162,3 +162,14 @@ def test_a_job_s_hibernated_pod_exits_as_stopped_so_that_its_job_replaces_it_ins
     assert exit_after_hibernation("Job/batch") == 143
     for owner in ("", "StatefulSet/web", "ReplicaSet/web-5d8f", "DaemonSet/Job"):
         assert exit_after_hibernation(owner) == 0
+
+
+def test_the_pods_own_file_systems_are_carried_and_volumes_are_not() -> None:
+    from torpor.policy.pod import pod_local
+
+    assert pod_local("/", "overlay", "/")  # the container's root file system
+    assert pod_local("/scratch", "ext4", "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/scratch")
+    assert pod_local("/dev/shm", "tmpfs", "/")
+    assert not pod_local("/data", "ext4", "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/pvc-1/mount")
+    assert not pod_local("/store", "nfs4", "/exports/torpor")
+    assert not pod_local("/host", "ext4", "/srv/shared")  # a hostPath

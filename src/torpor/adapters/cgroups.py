@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from torpor.adapters.system import procfs
+from torpor.adapters.system.mounts import Mount, parse
 from torpor.errors import EnvironmentProblem, UsageError
 
 #: the folder, in the memory cgroup of the process that calls, that holds one child per job
@@ -201,7 +202,7 @@ def detect_memory_controller(
     The arguments are for tests: another process's or a fake machine's files.
     """
     try:
-        mounts = [_mount(line) for line in mountinfo.read_text().splitlines()]
+        mounts = [parse(line) for line in mountinfo.read_text().splitlines()]
         own = _own_cgroups(cgroups.read_text())
     except OSError as exc:
         return NoMemoryController(f"cannot read {exc.filename}: {exc.strerror}")
@@ -246,26 +247,6 @@ def find_memory_controller(
     return found if isinstance(found, MemoryController) else None
 
 
-class _Mount(NamedTuple):
-    root: str
-    point: Path
-    fstype: str
-    options: frozenset[str]
-
-
-def _mount(line: str) -> _Mount:
-    """One line of mountinfo: ``id parent dev root point opts [optional…] - fstype source superopts``."""
-    fields = line.split()
-    dash = fields.index("-")
-    options = frozenset(fields[5].split(",")) | frozenset(fields[dash + 3].split(","))
-    return _Mount(_unescape(fields[3]), Path(_unescape(fields[4])), fields[dash + 1], options)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash in paths as octal escapes (``\\040``)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def _own_cgroups(text: str) -> dict[str, str]:
     """``/proc/self/cgroup`` by controller: ``4:memory:/a/b`` → {"memory": "/a/b"}; v2's ``0::/x`` → {"": "/x"}."""
     found: dict[str, str] = {}
@@ -276,7 +257,7 @@ def _own_cgroups(text: str) -> dict[str, str]:
     return found
 
 
-def _below(mount: _Mount, path: str) -> Path | None:
+def _below(mount: Mount, path: str) -> Path | None:
     root = mount.root.rstrip("/")
     if path != root and not path.startswith(root + "/"):
         return None

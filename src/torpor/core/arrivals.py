@@ -11,8 +11,6 @@ over (:meth:`Arrivals.go`; the agent resumes it then), or it is dropped (:meth:`
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import re
@@ -21,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from torpor.adapters.system import private
-from torpor.core import rewind
+from torpor.core import carried, rewind
 from torpor.core.engine import Engine
-from torpor.core.migrate import written_there
 from torpor.core.moves import Moves
 from torpor.core.naming import check_name
 from torpor.core.recordtypes import Checkpoint, CheckpointId, CheckpointKind, JobName, JobState
@@ -31,8 +28,8 @@ from torpor.core.rewind import STOPPED_FILE
 from torpor.core.store import TieredStore
 from torpor.core.store.repository import Repository
 from torpor.core.store.transfer import Receiver
-from torpor.errors import EnvironmentProblem, StoreError, UsageError, WrongState
-from torpor.policy import handoff, migration
+from torpor.errors import StoreError, UsageError, WrongState
+from torpor.policy import handoff
 from torpor.policy.handoff import Action, Source
 from torpor.policy.jobpolicy import JobPolicy
 
@@ -223,7 +220,7 @@ class Arrivals:
         listed = self.staging(job) / "files.json"
         files = json.loads(listed.read_bytes()) if listed.exists() else []
         for index, each in enumerate(files):
-            _place(Path(each["path"]), self.staging(job) / "files" / str(index), each, gen)
+            carried.place(Path(each["path"]), self.staging(job) / "files" / str(index), each, str(gen))
         rewind.adopt_stopped(self.engine.settings.job_dir(job))
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -258,35 +255,6 @@ class Arrivals:
         with self.records.transaction() as db:
             db.execute("DELETE FROM arrival_chunks WHERE job=?", (job,))
         shutil.rmtree(self.engine.settings.home / "arrivals" / job, ignore_errors=True)
-
-
-def _place(path: Path, staged: Path, each: dict[str, Any], gen: int) -> None:
-    problems = migration.written_problems((each["uid"], each["gid"]), written_there(str(path)))
-    if migration.FOREIGN in problems:
-        raise WrongState(f"{path} belongs to another user here: the job's file is not put over it")
-    if migration.NO_FOLDER in problems:
-        raise EnvironmentProblem(f"cannot put {path} in its place here: {os.strerror(errno.ENOENT)}")
-    if migration.LINKED in problems:
-        raise WrongState(f"{path} is reached through a symbolic link here: the job's file is not put there")
-    if migration.SHUT in problems:
-        raise WrongState(f"{path.parent} is not the job's user's to write in here: its file is not put there")
-    beside = path.with_name(f".{path.name}.torpor-{gen}")
-    with contextlib.suppress(FileNotFoundError):
-        beside.unlink()
-    try:
-        fd = os.open(beside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out, staged.open("rb") as source:
-            shutil.copyfileobj(source, out, 1 << 20)
-            out.flush()
-            os.fchown(fd, each["uid"], each["gid"])
-            os.fchmod(fd, each["mode"])
-            os.utime(fd, ns=(each["mtime_ns"], each["mtime_ns"]))
-            os.fsync(fd)
-        os.replace(beside, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            beside.unlink()
-        raise EnvironmentProblem(f"cannot put {path} in its place here: {exc.strerror}") from exc
 
 
 _CHECKPOINT_ID = re.compile(r"[0-9a-f]{6,64}")

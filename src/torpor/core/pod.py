@@ -44,6 +44,7 @@ from typing import IO, Any
 
 from torpor.adapters import kubeapi
 from torpor.adapters.system import private, procfs
+from torpor.core import carried
 from torpor.core.engine import Engine, unsupervised
 from torpor.core.records import Records
 from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, Checkpoint, Job, JobState
@@ -551,6 +552,8 @@ class Supervisor:
             taken = f" taken on {previous['node']}" if previous.get("node") else ""
             try:
                 offset = self._log_size(engine)
+                # the files it writes in its pod's own file systems, as it left them (a new node has none)
+                carried.put_back(slot.home, engine.settings.job_dir(name), checkpoint.id, self.say)
                 engine.restore(name, lazy=self.spec.lazy, progress=self.say, warn=self.say)
                 how = "resumed its hibernated job" if action == pod_policy.Start.RESUME else "recovered"
                 self.tell("Restored", f"{how}: restored from {checkpoint.id}{taken} {_ago(age)} ago")
@@ -646,6 +649,12 @@ class Supervisor:
             with contextlib.suppress(TorporError):
                 engine.stop(name)
             return pod_policy.STOPPED_EXIT
+        try:  # what it wrote in this pod's own file systems would not be on the next pod's node
+            carried.keep(slot.home, engine.settings.job_dir(name), checkpoint.id, self.spec.store, self.say)
+        except OSError as exc:
+            self.tell(
+                "FilesNotKept", f"the files the job writes in this pod were not kept: {exc}", warning=True
+            )
         slot.record(self.spec.pod, hibernated=checkpoint.id, hibernated_at=time.time())
         self.tell(
             "Hibernated",

@@ -242,3 +242,15 @@ def orphaned(owner: Owner | None, owner_exists: bool, namespace_exists: bool = T
     or the controller whose pods it was is. A bare pod's (no owner) or one named by annotation
     otherwise stays until it is removed by hand: the same pod may be created again."""
     return not namespace_exists or (owner is not None and not owner_exists)
+
+
+#: the part of a mount's root (the folder of its file system it shows) that kubelet gives an emptyDir
+EMPTY_DIR = "/kubernetes.io~empty-dir/"
+
+
+def pod_local(point: str, fstype: str, root: str) -> bool:
+    """Whether a file on the mount at ``point`` (of type ``fstype``, showing ``root`` of its file
+    system) is the pod's own, gone when the pod is made again on another node: the container's root
+    file system, an ``emptyDir`` (on the node's disk, or a tmpfs), another tmpfs (``/dev/shm``). A
+    PersistentVolumeClaim, NFS, a hostPath or the store volume is not: its files stay where they are."""
+    return point == "/" or EMPTY_DIR in root or fstype == "tmpfs"
