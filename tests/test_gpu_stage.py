@@ -287,6 +287,9 @@ def test_a_restore_goes_onto_the_same_gpus_or_others_of_their_type_and_is_refuse
 
     with pytest.raises(RestoreFailed, match="holds GPU state, but NVML did not start"):
         GpuJobs("unverified", _stage(driver), no_nvml).before_restore(tmp_path)
+    (tmp_path / GPUS_FILE).write_text('{"gpus": [{"uuid": "GPU-1", "name": "x", "memory_bytes": 1}]}')
+    with pytest.raises(RestoreFailed, match="not a GPU UUID"):
+        _jobs(driver, FakeNvml([])).before_restore(tmp_path)
     (tmp_path / GPUS_FILE).write_text("{")
     with pytest.raises(RestoreFailed, match="cannot be read"):
         _jobs(driver, FakeNvml([])).before_restore(tmp_path)
@@ -306,3 +309,22 @@ def test_an_image_without_gpu_state_neither_opens_nvml_nor_touches_the_driver(
     assert pairs is None
     jobs.after_restore(gpu_users, pairs)
     assert jobs.before_dump(gpu_users[3:]) is None
+
+
+def test_doctor_lists_the_gpus_nvml_reports_or_says_why_it_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torpor.core import doctor
+
+    monkeypatch.setattr(nvml, "load", lambda: FakeNvml([device(0), device(1, mig=True)]))
+    gpus, error = doctor._gpus("575.51.03")
+    assert error is None
+    assert [(g["minor"], g["name"], g["mig"]) for g in gpus] == [
+        (0, "NVIDIA H200", False),
+        (1, "NVIDIA H200", True),
+    ]
+    assert doctor._gpus(None) == ([], None)  # no driver: NVML is not opened
+
+    def no_nvml() -> nvml.Nvml:
+        raise cuda.CudaError("NVML did not start: Driver Not Loaded")
+
+    monkeypatch.setattr(nvml, "load", no_nvml)
+    assert doctor._gpus("575.51.03") == ([], "NVML did not start: Driver Not Loaded")

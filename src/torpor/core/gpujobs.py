@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from torpor.adapters import gpu, nvml
+from torpor.adapters import cuda, gpu, nvml
 from torpor.adapters.system import procfs
 from torpor.errors import CheckpointFailed, CudaError, RestoreFailed
 from torpor.policy import gpu as policy
@@ -42,7 +42,7 @@ def facts(device: nvml.Device) -> policy.Gpu:
 class GpuJobs:
     """The GPU part of checkpoints and restores, for ``choice`` (``TORPOR_GPU``) and ``stage``.
 
-    ``nvml`` opens NVML and ``mps`` says whether an MPS server runs; tests pass stand-ins."""
+    ``nvml_loader`` opens NVML and ``mps`` says whether an MPS server runs; tests pass stand-ins."""
 
     def __init__(
         self,
@@ -136,7 +136,10 @@ def saved_gpus(image_dir: Path) -> Sequence[policy.Gpu] | None:
     """The GPUs a checkpoint's job used (:data:`GPUS_FILE`), or None for an image without GPU state."""
     try:
         noted = json.loads((image_dir / GPUS_FILE).read_text())
-        return [policy.Gpu.from_json(each) for each in noted["gpus"]]
+        saved = [policy.Gpu.from_json(each) for each in noted["gpus"]]
+        for each in saved:
+            cuda.uuid_bytes(each.uuid)  # the driver is told them: a UUID that is not one fails here
+        return saved
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
