@@ -234,7 +234,7 @@ def start_webhook(
     with (folder / "webhook.log").open("wb") as log:
         process = subprocess.Popen(
             [TORPOR, "webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key),
-             "--config", str(folder / "webhook.json")],
+             "--config", str(folder / "webhook.json"), "--kubeconfig", str(WORK / "cp/kubeconfig")],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -176,6 +176,28 @@ def test_the_answer_to_the_apiserver_always_allows_and_carries_the_patch() -> No
         assert answer["allowed"] is True and "patch" not in answer and answer["warnings"]
 
 
+def test_the_pod_learns_its_namespace_s_uid_from_the_webhook_which_reads_it_for_opted_in_pods_only() -> None:
+    asked: list[str] = []
+
+    def uid_of(namespace: str) -> str | None:
+        asked.append(namespace)
+        return "ns-uid-1"
+
+    review = {"request": {"uid": "u1", "kind": {"kind": "Pod"}, "namespace": "team-a", "object": pod()}}
+    response = review_response(review, CONFIG, uid_of)["response"]
+    changed = apply(pod(), json.loads(base64.b64decode(response["patch"])))
+    assert env_of(changed["spec"]["containers"][0])["TORPOR_POD_NAMESPACE_UID"] == "ns-uid-1"
+    assert asked == ["team-a"]
+    plain = pod()
+    plain["metadata"]["labels"] = {}
+    review_response(
+        {"request": {"uid": "u2", "kind": {"kind": "Pod"}, "namespace": "b", "object": plain}}, CONFIG, uid_of
+    )
+    assert asked == ["team-a"]  # a pod that did not opt in costs the apiserver nothing
+    unknown = apply(pod(), mutate(pod(), "team-a", CONFIG, None).patch)
+    assert "TORPOR_POD_NAMESPACE_UID" not in env_of(unknown["spec"]["containers"][0])
+
+
 def test_webhook_settings_are_checked() -> None:
     assert WebhookConfig.from_dict({"torpor_paths": ["/a", "/b"]}).torpor_paths == ("/a", "/b")
     with pytest.raises(ValueError, match="unknown webhook setting"):
@@ -256,3 +278,26 @@ def test_an_s3_cold_tier_without_a_secret_uses_the_pod_s_own_credentials() -> No
 def test_s3_settings_are_checked(settings: dict[str, Any], why: str) -> None:
     with pytest.raises(ValueError, match=re.escape(why)):
         WebhookConfig.from_dict(settings)
+
+
+def test_the_webhook_reads_a_namespace_s_uid_at_each_review_and_none_where_it_cannot() -> None:
+    from torpor.adapters.kubeapi import KubeError
+    from torpor.apps.webhook import namespace_uids
+
+    class API:
+        def __init__(self) -> None:
+            self.uids = {"team-a": "uid-1"}
+
+        def get(self, path: str) -> dict[str, Any] | None:
+            name = path.rsplit("/", 1)[1]
+            if name == "down":
+                raise KubeError(f"GET {path}: connection refused")
+            return {"metadata": {"uid": self.uids[name]}} if name in self.uids else None
+
+    api = API()
+    uid = namespace_uids(api)  # type: ignore[arg-type]
+    assert uid("team-a") == "uid-1"
+    api.uids["team-a"] = "uid-2"  # deleted and made again: never kept
+    assert uid("team-a") == "uid-2"
+    assert uid("gone") is None and uid("down") is None
+    assert namespace_uids(None)("team-a") is None

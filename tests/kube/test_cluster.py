@@ -499,6 +499,36 @@ def test_a_bare_pod_annotated_to_hibernate_is_deleted_and_created_again_when_the
     cluster.wait_for(lambda: not copy.exists(), what="the operator to drop its copy")
 
 
+def test_a_namespace_deleted_and_made_again_under_its_name_does_not_get_the_old_one_s_job(
+    cluster: Cluster, namespace: str
+) -> None:
+    template = counter_statefulset(namespace, "lone")["spec"]["template"]
+    metadata = {**template["metadata"], "name": "lone", "namespace": namespace}
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+    cluster.apply(bare)
+    first = cluster.running_pod(namespace, "lone")
+    env = {e["name"]: e.get("value") for e in first["spec"]["containers"][0]["env"]}
+    old_uid = cluster.get("namespace", namespace)["metadata"]["uid"]
+    assert env["TORPOR_POD_NAMESPACE_UID"] == old_uid  # the webhook read it for the pod
+    cluster.wait_for(lambda: len(steps(cluster.logs(namespace, "lone"))) > 3, what="the job to count")
+    cluster.kubectl("delete", "pod", "-n", namespace, "lone", "--wait=true", timeout=120)  # hibernated
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=120s")
+    cluster.namespace(namespace)  # the same name, perhaps someone else's: another UID
+    assert cluster.get("namespace", namespace)["metadata"]["uid"] != old_uid
+    cluster.apply(bare)
+    cluster.running_pod(namespace, "lone")
+
+    def counting() -> str | None:
+        text = cluster.logs(namespace, "lone")
+        return text if len(steps(text)) > 2 else None
+
+    log = cluster.wait_for(
+        counting, what="the new namespace's pod to count", story=lambda: cluster.story(namespace, "lone")
+    )
+    # cold: the operator removed the old namespace's checkpoints, or the pod told them apart by its UID
+    assert steps(log)[0] == 0 and "resumed its hibernated job" not in log, log
+
+
 def counter_job(cluster: Cluster, namespace: str, name: str, backoff_limit: int) -> None:
     """A Job of one counter pod (the counter StatefulSet's template, never restarted in place)."""
     template = counter_statefulset(namespace, name)["spec"]["template"]

@@ -142,6 +142,34 @@ def test_the_files_a_job_writes_in_its_pod_follow_it_to_the_next_pod_on_another_
     assert oct(scratch.stat().st_mode & 0o777) == oct(0o644 & ~os.umask(os.umask(0)))
 
 
+def test_a_namespace_made_again_under_the_same_name_does_not_get_the_old_one_s_job(
+    store: tuple[Path, dict[str, str]],
+) -> None:
+    """A namespace deleted (before the operator removed its checkpoints) and made again, maybe by
+    someone else: its pods' store folder is the same, its UID is not."""
+    folder, env = store
+    first = Pod(
+        folder, {**env, "TORPOR_POD_NAMESPACE_UID": "uid-old"}, "a", "python3", "-u", str(JOBS / "counter.py")
+    )
+    first.wait_output(r"^step 5$")
+    assert first.stop() == 0
+    second = Pod(
+        folder, {**env, "TORPOR_POD_NAMESPACE_UID": "uid-new"}, "b", "python3", "-u", str(JOBS / "counter.py")
+    )
+    second.wait_output(r"^step 2$")
+    assert steps(second.output())[0] == 0  # cold: not the old namespace's job
+    assert "its checkpoints are of an earlier namespace of this name" in second.said()
+    assert second.stop() == 0
+    slot = json.loads((folder / "web-0/slot-0.json").read_text())
+    assert slot["namespace_uid"] == "uid-new"
+    # a pod that could not learn its namespace's UID continues the slot's job, and keeps its UID
+    third = Pod(folder, env, "c", "python3", "-u", str(JOBS / "counter.py"))
+    third.wait_output(r"resumed|step [3-9]", timeout=60)
+    assert third.stop() == 0
+    assert json.loads((folder / "web-0/slot-0.json").read_text())["namespace_uid"] == "uid-new"
+    assert "resumed its hibernated job" in third.said()
+
+
 def test_a_job_that_exits_ends_its_identity_with_its_exit_code(store: tuple[Path, dict[str, str]]) -> None:
     folder, env = store
     first = Pod(folder, env, "a", "python3", "-u", str(JOBS / "counter.py"), "3")

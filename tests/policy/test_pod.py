@@ -173,3 +173,21 @@ def test_the_pods_own_file_systems_are_carried_and_volumes_are_not() -> None:
     assert not pod_local("/data", "ext4", "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/pvc-1/mount")
     assert not pod_local("/store", "nfs4", "/exports/torpor")
     assert not pod_local("/host", "ext4", "/srv/shared")  # a hostPath
+
+
+def test_checkpoints_of_an_earlier_namespace_of_the_same_name_are_told_apart_where_both_uids_are_known() -> (
+    None
+):
+    from torpor.policy.pod import Owner, orphaned, remade_namespace
+
+    assert remade_namespace("uid-1", "uid-2")
+    assert not remade_namespace("uid-1", "uid-1")
+    assert (
+        not remade_namespace(None, "uid-2")
+        and not remade_namespace("uid-1", "")
+        and not remade_namespace("", "")
+    )
+    bare = None
+    assert orphaned(bare, True, namespace_exists=True, namespace_remade=True)
+    assert not orphaned(bare, True, namespace_exists=True)
+    assert orphaned(Owner("StatefulSet", "web"), True, namespace_exists=True, namespace_remade=True)

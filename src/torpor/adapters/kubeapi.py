@@ -36,6 +36,8 @@ class KubeAPI:
     #: a bearer token, or "" where the TLS context carries a client certificate
     token: str
     context: ssl.SSLContext
+    #: seconds a call may take (the webhook's lookups: less than its own timeout in the apiserver)
+    timeout_s: float = TIMEOUT_S
 
     @classmethod
     def from_kubeconfig(cls, path: Path) -> KubeAPI:
@@ -54,6 +56,12 @@ class KubeAPI:
             return cls(str(cluster["server"]).rstrip("/"), str(user.get("token", "")), tls)
         except (OSError, ValueError, KeyError, StopIteration, TypeError, ssl.SSLError, yaml.YAMLError) as exc:
             raise KubeError(f"cannot use the kubeconfig {path}: {exc}") from None
+
+    @classmethod
+    def of(cls, kubeconfig: str | None) -> KubeAPI | None:
+        """The API through ``kubeconfig`` when given, else the pod's service account (None outside a
+        pod); KubeError for a kubeconfig that cannot be used."""
+        return cls.from_kubeconfig(Path(kubeconfig)) if kubeconfig else cls.in_cluster()
 
     @classmethod
     def in_cluster(cls, env: dict[str, str] | None = None, account: Path = SERVICE_ACCOUNT) -> KubeAPI | None:
@@ -90,7 +98,7 @@ class KubeAPI:
             headers=headers,
         )
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self.context) as response:
+            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as response:
                 data = json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
             detail = ""

@@ -8,7 +8,8 @@ A reconcile loop over the store (the volume the pods share, mounted here too) ev
   lists its slots: the pod that holds or held each, its node, the job's state, its checkpoints (id,
   kind, time, size, freeze) and the latest one;
 - an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) or whose namespace
-  no longer exists has its checkpoints and folder deleted (each slot taken first: a pod still
+  no longer exists, or whose namespace was made again since (its UID differs from the one its pods
+  recorded), has its checkpoints and folder deleted (each slot taken first: a pod still
   hibernating is waited for), then its resource (``torpor.policy.pod.orphaned``);
 - a resource whose identity is no longer in the store is deleted;
 - ``torpor.dev/hibernate: "true"`` keeps a pod hibernated until it goes (:mod:`torpor.apps.kubehold`).
@@ -136,13 +137,20 @@ class Operator:
         namespace, name = identity.split("/")[0], pod_policy.resource_name(identity)
         owners = {slot.pod.get("owner", "") for slot in slots} - {""}
         owner = kubehold.parse_owner(sorted(owners)[0]) if owners else None
-        namespace_exists = self.api.get(f"/api/v1/namespaces/{namespace}") is not None
+        found = self.api.get(f"/api/v1/namespaces/{namespace}")
+        namespace_exists = found is not None
+        current = str(((found or {}).get("metadata") or {}).get("uid") or "")
+        remade = any(pod_policy.remade_namespace(slot.pod.get("namespace_uid"), current) for slot in slots)
         exists = True
-        if namespace_exists and owner is not None and owner.kind in OWNER_PATHS:
+        if namespace_exists and not remade and owner is not None and owner.kind in OWNER_PATHS:
             exists = self.api.get(OWNER_PATHS[owner.kind].format(ns=namespace, name=owner.name)) is not None
-        if pod_policy.orphaned(owner, exists, namespace_exists) and not any(slot.held for slot in slots):
+        if pod_policy.orphaned(owner, exists, namespace_exists, remade) and not any(
+            slot.held for slot in slots
+        ):
             deleted = pod.remove_identity(self.store, identity, self.settings)
-            if namespace_exists and owner is not None:
+            if remade:
+                gone = f"the namespace {namespace} it was of (made again since)"
+            elif namespace_exists and owner is not None:
                 self.api.delete(self._path(namespace, name))
                 gone = f"its {owner.kind} {owner.name}"
             else:
@@ -176,11 +184,7 @@ def cmd_operator(settings: Settings, args: argparse.Namespace) -> int:
     if not store.is_dir():
         raise UsageError(f"the store {store} is not a folder")
     try:
-        api = (
-            kubeapi.KubeAPI.from_kubeconfig(Path(args.kubeconfig))
-            if args.kubeconfig
-            else kubeapi.KubeAPI.in_cluster()
-        )
+        api = kubeapi.KubeAPI.of(args.kubeconfig)
     except kubeapi.KubeError as exc:
         raise UsageError(str(exc)) from None
     if api is None:

@@ -181,8 +181,14 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mutation:
-    """The patch that puts ``pod`` (in ``namespace``) under torpor, or none and the reason why."""
+def mutate(
+    pod: Mapping[str, Any], namespace: str, config: WebhookConfig, namespace_uid: str | None = None
+) -> Mutation:
+    """The patch that puts ``pod`` (in ``namespace``) under torpor, or none and the reason why.
+
+    ``namespace_uid``: the namespace's UID, as the webhook read it from the API server (None where it
+    could not): the pod tells its namespace from an earlier one of the same name by it
+    (:func:`torpor.policy.pod.remade_namespace`); the downward API does not give it."""
     if not opted_in(pod):
         return Mutation([], [])
     metadata = pod.get("metadata") or {}
@@ -247,6 +253,7 @@ def mutate(pod: Mapping[str, Any], namespace: str, config: WebhookConfig) -> Mut
         {"name": "TORPOR_POD_NEEDS", "value": json.dumps(needs, sort_keys=True)},
         *([{"name": "TORPOR_POD_OWNER", "value": f"{owner.kind}/{owner.name}"}] if owner else []),
         *([{"name": "TORPOR_CHECKPOINT_EVERY", "value": str(every)}] if every else []),
+        *([{"name": "TORPOR_POD_NAMESPACE_UID", "value": namespace_uid}] if namespace_uid else []),
         *_field_env("TORPOR_POD_NAME", "metadata.name"),
         *_field_env("TORPOR_POD_NAMESPACE", "metadata.namespace"),
         *_field_env("TORPOR_POD_UID", "metadata.uid"),

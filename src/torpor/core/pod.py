@@ -71,6 +71,8 @@ class PodInfo:
     needs: dict[str, Any] = field(default_factory=dict)
     #: the controller whose pod it is, ``KIND/NAME`` ("" for a bare pod)
     owner: str = ""
+    #: its namespace's UID, as the webhook read it ("" where it could not)
+    namespace_uid: str = ""
 
     @classmethod
     def from_environment(cls) -> PodInfo:
@@ -82,6 +84,7 @@ class PodInfo:
             env.get("TORPOR_NODE_NAME", ""),
             _json_object(env.get("TORPOR_POD_NEEDS", "")),
             env.get("TORPOR_POD_OWNER", ""),
+            env.get("TORPOR_POD_NAMESPACE_UID", ""),
         )
 
     def describe(self) -> str:
@@ -463,7 +466,17 @@ class Supervisor:
         with taken as slot:
             settings = self._slot_settings(slot)
             previous = slot.previous()
-            slot.record(self.spec.pod, started_at=time.time(), where=_here(), needs=self.spec.pod.needs)
+            ours = self.spec.pod.namespace_uid
+            if pod_policy.remade_namespace(previous.get("namespace_uid"), ours):
+                previous = {**previous, "remade_namespace": True}
+            namespace_uid = ours or previous.get("namespace_uid") or ""  # unknown here: kept as it was
+            slot.record(
+                self.spec.pod,
+                started_at=time.time(),
+                where=_here(),
+                needs=self.spec.pod.needs,
+                namespace_uid=namespace_uid,
+            )
             engine = Engine(settings)
             offset = self._start(engine, slot, previous)
             follower = threading.Thread(target=self._follow, args=(engine, offset), daemon=True)
@@ -539,6 +552,14 @@ class Supervisor:
         )
         if job is not None and action != pod_policy.Start.RESUME:
             self._end_previous(engine, previous)
+        if action != pod_policy.Start.COLD and previous.get("remade_namespace"):
+            self.tell(
+                "StartedCold",
+                "not restoring the job of the slot: its checkpoints are of an earlier namespace of this "
+                "name, deleted since (its UID differs); they are removed, and the command starts cold",
+                warning=True,
+            )
+            action = pod_policy.Start.COLD
         differs = pod_policy.mismatch(previous.get("needs") or {}, self.spec.pod.needs)
         if action != pod_policy.Start.COLD and differs is not None:
             self.tell(

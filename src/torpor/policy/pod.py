@@ -236,12 +236,23 @@ def resource_name(identity: str) -> str:
     return ".".join(identity.split("/")[1:])[:253]
 
 
-def orphaned(owner: Owner | None, owner_exists: bool, namespace_exists: bool = True) -> bool:
+def orphaned(
+    owner: Owner | None, owner_exists: bool, namespace_exists: bool = True, namespace_remade: bool = False
+) -> bool:
     """Whether an identity's checkpoints go: its namespace is deleted (whatever its pods were: the
-    images are the namespace's, and a namespace made later with the same name may be someone else's),
-    or the controller whose pods it was is. A bare pod's (no owner) or one named by annotation
-    otherwise stays until it is removed by hand: the same pod may be created again."""
-    return not namespace_exists or (owner is not None and not owner_exists)
+    images are the namespace's, and a namespace made later with the same name may be someone else's)
+    or was made again since (``namespace_remade``: :func:`remade_namespace`), or the controller whose
+    pods it was is. A bare pod's (no owner) or one named by annotation otherwise stays until it is
+    removed by hand: the same pod may be created again."""
+    return not namespace_exists or namespace_remade or (owner is not None and not owner_exists)
+
+
+def remade_namespace(recorded: str | None, current: str | None) -> bool:
+    """Whether checkpoints taken in the namespace whose UID was ``recorded`` are of an earlier namespace
+    of the same name than the one of UID ``current``: deleted since, and made again, perhaps by someone
+    else. Where either UID is not known (a slot of an older torpor, a pod the webhook could not ask the
+    API server about) they cannot be told apart, and are not."""
+    return bool(recorded) and bool(current) and recorded != current
 
 
 #: the part of a mount's root (the folder of its file system it shows) that kubelet gives an emptyDir
