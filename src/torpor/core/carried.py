@@ -139,8 +139,12 @@ def put_back(home: Path, job_dir: Path, checkpoint_id: CheckpointId, say: Callab
         here = rewind.file_state(Path(each["path"]))
         if here is not None and (here.size, here.mtime_ns) == (each["size"], each["mtime_ns"]):
             continue  # the same node, or a volume that came along: as the job left it
-        with contextlib.suppress(FileExistsError):
+        try:
             os.makedirs(os.path.dirname(each["path"]), exist_ok=True)
+        except OSError as exc:
+            raise EnvironmentProblem(
+                f"cannot make the folder of {each['path']} here: {exc.strerror}"
+            ) from exc
         place(Path(each["path"]), home / CARRIED_DIR / str(index), each, "pod")
         placed += 1
     if placed:
