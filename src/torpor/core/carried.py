@@ -104,7 +104,7 @@ def keep(
         listed.append(
             {
                 "path": path,
-                "size": state.size,
+                "size": state.size - left,  # shorter than at the stop only if someone cut it since
                 "mtime_ns": info.st_mtime_ns,
                 "mode": stat.S_IMODE(info.st_mode),
                 "uid": info.st_uid,
