@@ -405,7 +405,10 @@ def test_a_stale_gate_is_removed() -> None:
     try:
         for table in (stale, live):
             subprocess.run([nft, "add", "table", "inet", table], check=True, timeout=30)
-        assert wake.remove_stale_gates() == [stale]
+        removed = wake.remove_stale_gates()
+        # an agent another test starts meanwhile removes stale gates too (the same function, machine-wide:
+        # the clean-clone CI saw it take this one first), so what counts is what is left
+        assert live not in removed
         assert live in wake.gate_tables() and stale not in wake.gate_tables()
     finally:
         for table in (stale, live):
