@@ -58,7 +58,7 @@ class CudaStage:
         self._held: dict[tuple[int, ...], list[int]] = {}
 
     def before_dump(self, pids: list[int]) -> None:
-        self._held.pop(_tree(pids), None)
+        self._held.pop(tree(pids), None)
         users = procfs.device_users(pids, NVIDIA_DEVICE_PREFIX)
         if not users:
             return
@@ -78,10 +78,10 @@ class CudaStage:
             _each(driver.unlock, locked)
             failed.details.append("the job runs on, its GPU state given back")
             raise failed
-        self._held[_tree(pids)] = locked
+        self._held[tree(pids)] = locked
 
     def after_dump(self, pids: list[int], leave_running: bool) -> None:
-        held = self._held.pop(_tree(pids), [])
+        held = self._held.pop(tree(pids), [])
         if not held or not leave_running:
             return  # a hibernated job is gone: its GPU memory went with it
         driver = self._get()
@@ -108,7 +108,8 @@ class CudaStage:
         return self._driver
 
 
-def _tree(pids: Sequence[int]) -> tuple[int, ...]:
+def tree(pids: Sequence[int]) -> tuple[int, ...]:
+    """A process tree as a key: what the dump's stages name it by, whatever order its PIDs come in."""
     return tuple(sorted(pids))
 
 

@@ -3,7 +3,7 @@ checkpoints removed when the controller whose pods it was is deleted.
 
 A reconcile loop over the store (the volume the pods share, mounted here too) every ``--interval``:
 
-- each identity (``torpor.core.pod.slots``) has a namespaced ``TorporIdentity`` (torpor.dev/v1alpha1,
+- each identity (``torpor.core.podstore.slots``) has a namespaced ``TorporIdentity`` (torpor.dev/v1alpha1,
   ``deploy/kubernetes/crd.yaml``; its name: ``torpor.policy.pod.resource_name``) whose ``status``
   lists its slots: the pod that holds or held each, its node, the job's state, its checkpoints (id,
   kind, time, size, freeze) and the latest one;
@@ -30,7 +30,7 @@ from typing import Any
 from torpor.adapters import kubeapi
 from torpor.apps import kubehold
 from torpor.apps.agent.commands import seconds
-from torpor.core import pod
+from torpor.core import podstore
 from torpor.errors import TorporError, UsageError
 from torpor.policy import pod as pod_policy
 from torpor.settings import Settings
@@ -74,7 +74,7 @@ def _stamp(at: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
-def status_of(slots: list[pod.SlotState]) -> dict[str, Any]:
+def status_of(slots: list[podstore.SlotState]) -> dict[str, Any]:
     """The resource's status for an identity's slots."""
     listed = []
     latest: tuple[float, str] | None = None
@@ -119,8 +119,8 @@ class Operator:
         return f"{base}/{name}" if name else base
 
     def reconcile(self) -> None:
-        by_identity: dict[str, list[pod.SlotState]] = defaultdict(list)
-        for slot in pod.slots(self.store):
+        by_identity: dict[str, list[podstore.SlotState]] = defaultdict(list)
+        for slot in podstore.slots(self.store):
             by_identity[slot.identity].append(slot)
         for identity, slots in sorted(by_identity.items()):
             try:
@@ -133,7 +133,7 @@ class Operator:
         self._forget_gone(set(by_identity), resources)
         self.holder.reconcile(resources, self._path)
 
-    def _identity(self, identity: str, slots: list[pod.SlotState]) -> None:
+    def _identity(self, identity: str, slots: list[podstore.SlotState]) -> None:
         namespace, name = identity.split("/")[0], pod_policy.resource_name(identity)
         owners = {slot.pod.get("owner", "") for slot in slots} - {""}
         owner = kubehold.parse_owner(sorted(owners)[0]) if owners else None
@@ -147,7 +147,7 @@ class Operator:
         if pod_policy.orphaned(owner, exists, namespace_exists, remade) and not any(
             slot.held for slot in slots
         ):
-            deleted = pod.remove_identity(self.store, identity, self.settings)
+            deleted = podstore.remove_identity(self.store, identity, self.settings)
             if remade:
                 gone = f"the namespace {namespace} it was of (made again since)"
             elif namespace_exists and owner is not None:

@@ -80,7 +80,7 @@ class GpuJobs:
         started = time.monotonic()
         self.stage.before_dump(pids)  # keeps what it did by the whole tree, as after_dump names it
         took = time.monotonic() - started
-        self._noted[_tree(pids)] = {
+        self._noted[gpu.tree(pids)] = {
             "driver": version,
             "gpus": [each.to_json() for each in used],
             "gpu_stage_s": took,
@@ -91,7 +91,7 @@ class GpuJobs:
         """Give the GPU back to a job that runs on; ``image_dir``: the dump went through, into there, and
         its image keeps the GPUs' facts (:data:`GPUS_FILE`). Not written earlier: a dump tried again
         starts from an empty folder."""
-        noted = self._noted.pop(_tree(pids), None)
+        noted = self._noted.pop(gpu.tree(pids), None)
         if noted is not None and image_dir is not None:
             (image_dir / GPUS_FILE).write_text(json.dumps(noted, indent=1) + "\n")
         if self.enabled:
@@ -126,10 +126,6 @@ class GpuJobs:
         if self._nvml is None:
             self._nvml = self._load_nvml()
         return self._nvml
-
-
-def _tree(pids: Sequence[int]) -> tuple[int, ...]:
-    return tuple(sorted(pids))
 
 
 def saved_gpus(image_dir: Path) -> Sequence[policy.Gpu] | None:

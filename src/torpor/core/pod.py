@@ -30,8 +30,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import sys
@@ -46,8 +44,9 @@ from torpor.adapters import kubeapi
 from torpor.adapters.system import private, procfs
 from torpor.core import carried
 from torpor.core.engine import Engine, unsupervised
+from torpor.core.podreport import Reporter
 from torpor.core.records import Records
-from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, Checkpoint, Job, JobState
+from torpor.core.recordtypes import LIVE_STATES, SUPERVISED_STATES, Job, JobState
 from torpor.core.store import config as store_config
 from torpor.errors import JobNotFound, TorporError, UsageError
 from torpor.policy import periodic
@@ -160,7 +159,7 @@ class Slot:
 
     def previous(self) -> dict[str, Any]:
         """What the pod that last held this slot wrote of itself ({} if none)."""
-        return _read_json(self.info_path)
+        return read_json(self.info_path)
 
     def record(self, pod: PodInfo, **fields: Any) -> None:
         """Say in the slot's file that ``pod`` holds it, with ``fields`` and those of earlier calls."""
@@ -193,7 +192,7 @@ def _try_lock(fd: int) -> bool:
 def _take_only(folder: Path, say: Callable[[str], None]) -> tuple[int, int]:
     fd = _lock(folder, 0)
     if not _try_lock(fd):
-        holder = _read_json(folder / f"{pod_policy.slot_name(0)}.json")
+        holder = read_json(folder / f"{pod_policy.slot_name(0)}.json")
         say(f"waiting for {holder.get('pod', 'another pod')} to let go of this identity")
         fcntl.flock(fd, fcntl.LOCK_EX)
     return fd, 0
@@ -215,7 +214,7 @@ def _take_interchangeable(
                     free[n] = fd
                 else:
                     os.close(fd)
-                info = _read_json(folder / f"{pod_policy.slot_name(n)}.json")
+                info = read_json(folder / f"{pod_policy.slot_name(n)}.json")
                 held = n not in free
                 stopping = held and ("stopping_at" in info or deleting(info))
                 views.append(pod_policy.SlotView(n, not held, bool(info) and "ended" not in info, stopping))
@@ -226,7 +225,7 @@ def _take_interchangeable(
                 return free.pop(choice.n), choice.n
             fd = _lock(folder, choice.n)
             if choice.wait:
-                holder = _read_json(folder / f"{pod_policy.slot_name(choice.n)}.json")
+                holder = read_json(folder / f"{pod_policy.slot_name(choice.n)}.json")
                 say(f"waiting for {holder.get('pod', 'another pod')} to hibernate its job, to continue it")
                 for other in free.values():  # not kept from other pods while we wait
                     os.close(other)
@@ -263,94 +262,6 @@ def end_processes(engine: Engine, name: str, previous: dict[str, Any], say: Call
         engine.stop(job.name)
 
 
-@dataclass(frozen=True)
-class SlotState:
-    """What the store says of one slot of an identity, for the operator (:func:`slots`)."""
-
-    identity: str
-    slot: int
-    #: what its pod wrote of itself (torpor.core.pod.Slot.record)
-    pod: dict[str, Any]
-    #: the job's state (``None``: no job)
-    state: str | None
-    checkpoints: list[Checkpoint]
-    #: a pod holds it now
-    held: bool
-
-
-def slots(store: Path) -> list[SlotState]:
-    """Every slot of every identity in the whole volume ``store`` (``NAMESPACE/NAME/.../slot-N.json``:
-    each namespace's folder is what its pods see as theirs), as the store says."""
-    found = []
-    for info in sorted(store.glob("**/slot-*.json")):
-        folder = info.parent
-        n = info.stem.removeprefix("slot-")
-        home = folder / info.stem
-        if not n.isdigit() or not (home / "torpor.db").is_file():
-            continue
-        try:
-            records = Records(home / "torpor.db")
-            job: Job | None = next(iter(records.jobs()), None)
-        except TorporError:
-            continue
-        found.append(
-            SlotState(
-                str(folder.relative_to(store)),
-                int(n),
-                _read_json(info),
-                None if job is None else str(job.state),
-                records.checkpoints(job.name) if job is not None else [],
-                _held(folder / f"{info.stem}.lock"),
-            )
-        )
-    return found
-
-
-def _held(lock: Path) -> bool:
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def remove_identity(store: Path, identity: str, settings: Settings, wait_s: float = 300) -> list[str]:
-    """Delete an identity of the whole volume ``store``: every slot's job and checkpoints, then its
-    folder; returns the checkpoint ids deleted. Each slot is taken first (a pod still hibernating into
-    it is waited for, ``wait_s`` at most: ``TorporError`` if it does not let go)."""
-    folder = identity_dir(store / identity.split("/")[0], identity)
-    deleted: list[str] = []
-    for lock in sorted(folder.glob("slot-*.lock")):
-        fd = private.open_private(lock, os.O_RDWR)
-        try:
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TorporError(f"a pod still holds {lock.name} of {identity}") from None
-                    time.sleep(0.5)
-            home = folder / lock.stem
-            if (home / "torpor.db").is_file():
-                engine = Engine(replace(settings, home=home))
-                previous = _read_json(folder / f"{lock.stem}.json")
-                for job in engine.records.jobs():
-                    end_processes(engine, job.name, previous, lambda _text: None)
-                    deleted += engine.remove(job.name)
-        finally:
-            os.close(fd)
-    shutil.rmtree(folder, ignore_errors=True)
-    return deleted
-
-
 def _has_checkpoints(home: Path) -> bool:
     """Whether the state directory ``home`` has a checkpoint of any job."""
     if not (home / "torpor.db").is_file():
@@ -359,7 +270,7 @@ def _has_checkpoints(home: Path) -> bool:
     return any(records.checkpoints(job.name) for job in records.jobs())
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return _json_object(path.read_text())
     except OSError:
@@ -372,60 +283,6 @@ def _json_object(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
-
-
-#: the annotation on the pod that says when its job was last checkpointed (RFC 3339), for schedulers
-#: that prefer as victims the pods that checkpointed recently
-LAST_CHECKPOINT_ANNOTATION = "torpor.dev/last-checkpoint"
-
-
-_POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-
-
-class Reporter:
-    """Events on the pod and its last-checkpoint annotation, through the Kubernetes API where the pod can
-    reach it (:mod:`torpor.adapters.kubeapi`). A failure is said once in the supervisor's log and never
-    stops anything: the job comes first."""
-
-    def __init__(self, pod: PodInfo, api: kubeapi.KubeAPI | None, say: Callable[[str], None]) -> None:
-        self.pod = pod
-        self.api = api if pod.name and pod.namespace else None
-        self._say = say
-        self._failed = False
-
-    def _try(self, call: Callable[[kubeapi.KubeAPI], None]) -> None:
-        if self.api is None:
-            return
-        try:
-            call(self.api)
-        except kubeapi.KubeError as exc:
-            if not self._failed:
-                self._say(f"cannot tell Kubernetes (events, annotations): {exc}")
-            self._failed = True
-
-    def event(self, reason: str, message: str, warning: bool = False) -> None:
-        self._try(
-            lambda api: api.event(self.pod.namespace, self.pod.name, self.pod.uid, reason, message, warning)
-        )
-
-    def deleting(self, holder: dict[str, Any]) -> bool:
-        """Whether ``holder`` (a slot file's pod: its name and uid) is a pod of this namespace that is being
-        deleted; False where Kubernetes cannot be asked."""
-        name, uid = holder.get("name"), holder.get("uid")
-        if self.api is None or not isinstance(name, str) or not _POD_NAME.fullmatch(name) or not uid:
-            return False
-        try:
-            pod = self.api.get(f"/api/v1/namespaces/{self.pod.namespace}/pods/{name}")
-        except kubeapi.KubeError:
-            return False
-        metadata = (pod or {}).get("metadata", {})
-        return bool(metadata.get("uid") == uid and metadata.get("deletionTimestamp"))
-
-    def checkpointed(self, at: float) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-        self._try(
-            lambda api: api.annotate(self.pod.namespace, self.pod.name, {LAST_CHECKPOINT_ANNOTATION: stamp})
-        )
 
 
 class Supervisor:
@@ -441,7 +298,7 @@ class Supervisor:
         self.spec = spec
         self.settings = settings
         self.out = out if out is not None else sys.stdout.buffer
-        self.report = Reporter(spec.pod, api, self.say)
+        self.report = Reporter(spec.pod.namespace, spec.pod.name, spec.pod.uid, api, self.say)
         self.stopping = threading.Event()
         self._done = threading.Event()
         self._tried_at: float | None = None

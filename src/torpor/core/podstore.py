@@ -1,0 +1,110 @@
+"""The store of pod identities as the operator reads and clears it: each slot's pod, job and
+checkpoints (:func:`slots`), and an identity deleted whole (:func:`remove_identity`). Where the slots are
+and how a pod takes one is :mod:`torpor.core.pod`'s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torpor.adapters.system import private
+from torpor.core.engine import Engine
+from torpor.core.pod import end_processes, identity_dir, read_json
+from torpor.core.records import Records
+from torpor.core.recordtypes import Checkpoint, Job
+from torpor.errors import TorporError
+from torpor.settings import Settings
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What the store says of one slot of an identity, for the operator (:func:`slots`)."""
+
+    identity: str
+    slot: int
+    #: what its pod wrote of itself (torpor.core.pod.Slot.record)
+    pod: dict[str, Any]
+    #: the job's state (``None``: no job)
+    state: str | None
+    checkpoints: list[Checkpoint]
+    #: a pod holds it now
+    held: bool
+
+
+def slots(store: Path) -> list[SlotState]:
+    """Every slot of every identity in the whole volume ``store`` (``NAMESPACE/NAME/.../slot-N.json``:
+    each namespace's folder is what its pods see as theirs), as the store says."""
+    found = []
+    for info in sorted(store.glob("**/slot-*.json")):
+        folder = info.parent
+        n = info.stem.removeprefix("slot-")
+        home = folder / info.stem
+        if not n.isdigit() or not (home / "torpor.db").is_file():
+            continue
+        try:
+            records = Records(home / "torpor.db")
+            job: Job | None = next(iter(records.jobs()), None)
+        except TorporError:
+            continue
+        found.append(
+            SlotState(
+                str(folder.relative_to(store)),
+                int(n),
+                read_json(info),
+                None if job is None else str(job.state),
+                records.checkpoints(job.name) if job is not None else [],
+                _held(folder / f"{info.stem}.lock"),
+            )
+        )
+    return found
+
+
+def _held(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_identity(store: Path, identity: str, settings: Settings, wait_s: float = 300) -> list[str]:
+    """Delete an identity of the whole volume ``store``: every slot's job and checkpoints, then its
+    folder; returns the checkpoint ids deleted. Each slot is taken first (a pod still hibernating into
+    it is waited for, ``wait_s`` at most: ``TorporError`` if it does not let go)."""
+    folder = identity_dir(store / identity.split("/")[0], identity)
+    deleted: list[str] = []
+    for lock in sorted(folder.glob("slot-*.lock")):
+        fd = private.open_private(lock, os.O_RDWR)
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TorporError(f"a pod still holds {lock.name} of {identity}") from None
+                    time.sleep(0.5)
+            home = folder / lock.stem
+            if (home / "torpor.db").is_file():
+                engine = Engine(replace(settings, home=home))
+                previous = read_json(folder / f"{lock.stem}.json")
+                for job in engine.records.jobs():
+                    end_processes(engine, job.name, previous, lambda _text: None)
+                    deleted += engine.remove(job.name)
+        finally:
+            os.close(fd)
+    shutil.rmtree(folder, ignore_errors=True)
+    return deleted
