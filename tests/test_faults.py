@@ -269,7 +269,12 @@ def test_a_dump_that_meets_another_in_the_jobs_folder_is_made_again_a_dead_criu_
 
 @pytest.mark.criu
 @pytest.mark.slow
-def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
+@pytest.mark.parametrize("stage", ["dump", "pre-copy"])
+def test_job_killed_during_its_checkpoint(torpor: Torpor, stage: str) -> None:
+    """Killed in CRIU's dump (not pre-copied: the dump begins at once), or after the first of its
+    pre-copy rounds (in a later round, or in the dump that follows them): a one-line error, the job
+    failed with its signal, no checkpoint."""
+    torpor.env["TORPOR_PRECOPY"] = "1" if stage == "pre-copy" else "0"
     torpor.run("run", "--name", "dies", *python_job("memory_hog.py", "1500"))
     torpor.wait_log("dies", "step 1", timeout=120)
     pid = torpor.job("dies")["pid"]
@@ -282,9 +287,16 @@ def test_job_killed_during_its_checkpoint(torpor: Torpor) -> None:
     )
     assert proc.stderr is not None
     assert "dumping" in proc.stderr.readline()
-    # kill it while the dump is really in progress: CRIU traces the job from its seize to the end of the
-    # dump (while its parasite runs in the job the state is S or R, not t: only the tracer says so)
-    torpor.wait_for(lambda: traced(pid), timeout=60, what="the dump to seize the job")
+    if stage == "dump":
+        # kill it while the dump is really in progress: CRIU traces the job from its seize to the end of
+        # the dump (while its parasite runs in the job the state is S or R, not t: only the tracer says so)
+        torpor.wait_for(lambda: traced(pid), timeout=60, what="the dump to seize the job")
+    else:
+        line = proc.stderr.readline()
+        if "pre-copy round" not in line:
+            os.kill(pid, signal.SIGKILL)
+            proc.communicate(timeout=120)
+            pytest.skip(f"not pre-copied on this machine: {line.strip()}")
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 4, stderr
