@@ -15,7 +15,8 @@ second), ``--repeat`` times (default 3), rotating which goes first:
   while it runs, its chunks sent, then the job hibernated and only what changed sent, and the node's
   agent resumes it.
 
-*Downtime* is the job's own: the workload ticks every 5 ms and prints every gap longer than 20 ms; the
+*Downtime* is the job's own: the workload ticks every 5 ms and prints every gap longer than 20 ms, by the
+wall clock (a restored tree's monotonic clock goes on from its dump: ``scripts/bench_memory.py``); the
 largest is the downtime (for torpor the first gap, the checkpoint while it runs, is its plain checkpoint
 freeze). *Total* is the wall time of the whole (the ``torpor migrate`` command; the three commands by
 hand). The link's bandwidth is measured in the same run (1 GiB through one TCP connection across the
@@ -304,7 +305,10 @@ def render(
         f"The other node is a network namespace joined by a veth pair; its link carried "
         f"{bandwidth / GIB:.2f} GiB/s through one TCP connection in this run. Medians of {repeat} runs each "
         f"(every sample below); {took / 60:.0f} min in all. Downtime is the largest gap the job felt in its "
-        "own 5 ms loop; torpor's *freeze* is the first, its checkpoint while it runs.",
+        "own 5 ms loop, timed by the wall clock (CRIU restores a tree into a time namespace whose "
+        "monotonic clock goes on from the dump: timed by it, the copy between dump and restore went "
+        "unseen, and the figures before 2026-12-07 left it out); torpor's *freeze* is the first, its "
+        "checkpoint while it runs.",
         "",
         "| job | downtime: torpor | by hand | ratio (goal ≤ 0.1) | torpor's freeze + 0.5 s | "
         "total: torpor | by hand | size / link (goal: torpor ≤ 1.5×) | sent: torpor | by hand |",
