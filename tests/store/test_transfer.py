@@ -4,6 +4,7 @@ folder stores: what the receiver lacks is all that is sent, and it reads the che
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,16 @@ def store(folder: Path) -> Repository:
     return Repository(FolderBackend(folder), key=os.urandom(32))
 
 
+def joined(frames: Iterable[tuple[bytes, bytes | memoryview]]) -> bytes:
+    """The body that carries ``frames``."""
+    return b"".join(piece for frame in frames for piece in frame)
+
+
 def send(source: Repository, receiver: Receiver, checkpoint_id: str) -> list[str]:
     """What a move does: the chunks the receiver lacks, then the manifest; the chunks sent."""
     manifest = source.manifest(checkpoint_id)
     lacking = receiver.missing(manifest.chunk_ids())
-    receiver.take(b"".join(frames(source, manifest, lacking)))
+    receiver.take(joined(frames(source, manifest, lacking)))
     receiver.write_manifest(manifest.to_bytes(), checkpoint_id)
     return lacking
 
@@ -60,7 +66,7 @@ def test_a_manifest_naming_chunks_never_sent_and_a_cut_frame_are_refused(tmp_pat
     source.write("c1", "job", image(tmp_path / "one", os.urandom(3 * CHUNK)), {})
     manifest = source.manifest("c1")
     receiver = Receiver(peer)
-    body = b"".join(frames(source, manifest, list(manifest.chunk_ids())[:1]))
+    body = joined(frames(source, manifest, list(manifest.chunk_ids())[:1]))
     with pytest.raises(CorruptImage, match="cut short"):
         list(parse(body[:-1]))
     receiver.take(body)
@@ -69,3 +75,29 @@ def test_a_manifest_naming_chunks_never_sent_and_a_cut_frame_are_refused(tmp_pat
     assert not peer.has("c1")
     with pytest.raises(CorruptImage, match="is of c1"):
         receiver.write_manifest(manifest.to_bytes(), "c9")
+
+
+def test_chunks_are_read_from_the_copy_in_ram_where_it_holds_them_and_from_the_store_where_not(
+    tmp_path: Path,
+) -> None:
+    pages = os.urandom(4 * CHUNK)
+    source = store(tmp_path / "a")
+    copy = image(tmp_path / "copy", pages)
+    source.write("c1", "job", copy, {})
+    manifest = source.manifest("c1")
+    chunks = sorted(set(manifest.chunk_ids()))
+    expected = joined(frames(source, manifest, chunks))
+    # the store's packs gone: the whole checkpoint still comes from the copy, verified
+    packs = tmp_path / "a" / "packs"
+    hidden = tmp_path / "packs-away"
+    packs.rename(hidden)
+    assert joined(frames(source, manifest, chunks, copy=copy)) == expected
+    with pytest.raises(CorruptImage):
+        joined(frames(source, manifest, chunks))
+    hidden.rename(packs)
+    # a copy whose bytes changed, or that lost a file, is read from the store instead, chunk by chunk
+    with (copy / "pages-1.img").open("r+b") as changed:
+        changed.seek(2 * CHUNK + 5)
+        changed.write(b"\0")
+    (copy / "core-1.img").unlink()
+    assert joined(frames(source, manifest, chunks, copy=copy)) == expected

@@ -133,7 +133,7 @@ class PeerLink(Protocol):
     name: str
 
     def missing(self, job: str, chunks: list[str]) -> list[str]: ...
-    def send_chunks(self, job: str, body: bytes) -> None: ...
+    def send_chunks(self, job: str, body: Sequence[bytes | memoryview]) -> None: ...
     def send_log(self, job: str, offset: int, data: bytes) -> None: ...
     def look(self, paths: list[str]) -> dict[str, Stamp | None]: ...
     def send_file(self, job: str, index: int, offset: int, data: bytes) -> None: ...
@@ -146,6 +146,8 @@ class PeerLink(Protocol):
 BATCH_BYTES = 32 << 20
 #: at most this many requests of chunks at once
 IN_FLIGHT = 2
+#: at most this many chunks read back (decrypted, verified) at once for sending
+READERS = 2
 
 
 @dataclass
@@ -226,13 +228,14 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
     moves = Moves(engine.records)
     job = engine.records.job(name)
     done = Moved(job.name, link.name)
-    repo = _repo(engine)
+    store = _store(engine)
+    repo = store.repo
     learnt: set[str] = set()  # the chunks the peer was seen to have, or was sent
     progress("copying its memory while it runs")
     first = engine.checkpoint(job.name, progress=progress)
     engine.wait_durable(first.id)
     progress(f"sending it to peer {link.name}")
-    done.rounds.append(_send(repo, link, job.name, first.id, learnt))
+    done.rounds.append(_send(store, link, job.name, first.id, learnt))
     written = (
         sorted(written_by(procfs.namespace_members(job.pid), os.path.realpath(job.log_path)))
         if job.pid
@@ -247,7 +250,7 @@ def move(engine: Engine, name: str, link: PeerLink, lazy: bool = False, progress
         progress("sending what changed since")
         checkpoints = [c for c in engine.records.checkpoints(job.name) if c.id in set(repo.ids())]
         for each in checkpoints:
-            done.rounds.append(_send(repo, link, job.name, each.id, learnt))
+            done.rounds.append(_send(store, link, job.name, each.id, learnt))
         _send_log(link, job.name, Path(job.log_path))
         files = _send_files(link, job.name, written, progress)
         done.files = [each["path"] for each in files]
@@ -282,40 +285,50 @@ def finish(engine: Engine, name: str, gen: int, peer: str) -> None:
     engine.records.set_fields(JobName(name), message=f"moved to {peer}")
 
 
-def _send(repo: Repository, link: PeerLink, job: str, checkpoint_id: str, learnt: set[str]) -> dict[str, int]:
+def _send(
+    store: TieredStore, link: PeerLink, job: str, checkpoint_id: str, learnt: set[str]
+) -> dict[str, int]:
     """Send the chunks of ``checkpoint_id`` the peer lacks, in batches; what was sent. Batches are read
-    here (each chunk decrypted and verified) while up to :data:`IN_FLIGHT` others travel and are stored
+    here (several chunks at once, each verified: from the checkpoint's copy in RAM where it has one,
+    else from the cold tier, decrypted) while up to :data:`IN_FLIGHT` others travel and are stored
     there: the three overlap."""
+    repo = store.repo
     manifest = repo.manifest(checkpoint_id)
     offered = sorted({str(chunk) for chunk in manifest.chunk_ids()} - learnt)
     lacking = link.missing(job, offered) if offered else []
     sent = {"chunks": 0, "bytes": 0}
-    with ThreadPoolExecutor(IN_FLIGHT, "torpor-send") as senders:
+    copy = store.hot_copy(checkpoint_id)
+    frames = transfer.frames(repo, manifest, lacking, min(repo.workers, READERS), copy)
+    with contextlib.closing(frames), ThreadPoolExecutor(IN_FLIGHT, "torpor-send") as senders:
         travelling: deque[Future[None]] = deque()
-        for body, count in _batches(transfer.frames(repo, manifest, lacking)):
+        for body, count, size in _batches(frames):
             if len(travelling) == IN_FLIGHT:
                 travelling.popleft().result()  # a failed batch fails the move here
             travelling.append(senders.submit(link.send_chunks, job, body))
             sent["chunks"] += count
-            sent["bytes"] += len(body)
+            sent["bytes"] += size
         for each in travelling:
             each.result()
     learnt.update(manifest.chunk_ids())
     return sent
 
 
-def _batches(frames: Iterator[bytes]) -> Iterator[tuple[bytes, int]]:
-    """``frames`` joined in bodies of about :data:`BATCH_BYTES`, each with how many frames it holds."""
-    batch: list[bytes] = []
+def _batches(
+    frames: Iterator[tuple[bytes, bytes | memoryview]],
+) -> Iterator[tuple[list[bytes | memoryview], int, int]]:
+    """``frames`` gathered in bodies of about :data:`BATCH_BYTES`: each body's pieces (sent one after
+    another, never joined: a joined copy of each body cost as much as reading it), how many frames it
+    holds, and its size."""
+    batch: list[bytes | memoryview] = []
     size = 0
     for frame in frames:
-        batch.append(frame)
-        size += len(frame)
+        batch.extend(frame)
+        size += sum(len(piece) for piece in frame)
         if size >= BATCH_BYTES:
-            yield b"".join(batch), len(batch)
+            yield batch, len(batch) // 2, size
             batch, size = [], 0
     if batch:
-        yield b"".join(batch), len(batch)
+        yield batch, len(batch) // 2, size
 
 
 def _send_log(link: PeerLink, job: str, log: Path) -> None:
@@ -414,8 +427,8 @@ def _abort(
         cause.details.append(f"job '{name}' was not moved: it runs here as before")
 
 
-def _repo(engine: Engine) -> Repository:
+def _store(engine: Engine) -> TieredStore:
     store = engine.ctx.store
     if not isinstance(store, TieredStore):
         raise EnvironmentProblem("this state directory's store cannot send a job to another machine")
-    return store.repo
+    return store

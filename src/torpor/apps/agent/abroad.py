@@ -18,10 +18,10 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torpor.apps.agent.peering import ask, client_of
 from torpor.core.context import Progress, quiet
@@ -63,8 +63,10 @@ class PeerAgent:
             str(c) for c in self.client.arrival("POST", job, "missing", json={"chunks": chunks})["missing"]
         ]
 
-    def send_chunks(self, job: str, body: bytes) -> None:
-        self.client.arrival("POST", job, "chunks", content=body, headers=_BINARY)
+    def send_chunks(self, job: str, body: Sequence[bytes | memoryview]) -> None:
+        headers = {**_BINARY, "Content-Length": str(sum(len(piece) for piece in body))}
+        pieces = cast("list[bytes]", list(body))  # each written to the socket as it is: any buffer will do
+        self.client.arrival("POST", job, "chunks", content=pieces, headers=headers)
 
     def send_log(self, job: str, offset: int, data: bytes) -> None:
         self.client.arrival("PUT", job, "log", content=data, headers=_BINARY, params={"offset": offset})

@@ -146,6 +146,10 @@ class TieredStore:
             ) from exc
         return partial
 
+    def hot_copy(self, checkpoint_id: str) -> Path | None:
+        """The folder of ``checkpoint_id``'s copy in the hot tier (in RAM), if it has one."""
+        return self.hot.image_dir(checkpoint_id) if self.hot.record(checkpoint_id) is not None else None
+
     def in_memory(self, image_dir: Path) -> bool:
         return self.hot.owns(image_dir)
 

@@ -5,8 +5,8 @@ A chunk is named by a digest keyed with its store's key (objects.py), so the two
 bytes differently, and neither can tell the other's names from the bytes. The receiver keeps, for each
 transfer, what it learnt: the sender's name of each chunk it took, and its own name for it. The sender
 offers its names; the receiver answers those it lacks (:meth:`Receiver.missing`); the sender sends those
-chunks decrypted and verified (:func:`frames`), and the receiver hashes and encrypts each again with its
-own key as it stores it (:meth:`Receiver.take`). A second checkpoint of the same job — the final one of a
+chunks decrypted and verified (:func:`frames`, several at once), and the receiver hashes and encrypts
+each again with its own key as it stores it (:meth:`Receiver.take`). A second checkpoint of the same job — the final one of a
 move, after one taken while the job ran on — sends only the chunks that changed. The manifest goes last,
 its chunks renamed to the receiver's (:meth:`Receiver.write_manifest`), once each is stored there.
 
@@ -18,9 +18,15 @@ refused.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections import deque
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from torpor.core.store.lock import SHARED
 from torpor.core.store.manifest import ChunkId, Manifest
@@ -33,16 +39,97 @@ _HEAD = struct.Struct(">32sI")
 MAX_CHUNK = 64 << 20
 
 
-def frames(repo: Repository, manifest: Manifest, chunks: Iterable[str]) -> Iterator[bytes]:
-    """The frames of ``chunks`` of ``manifest``'s checkpoint in ``repo``, each read back and verified."""
+def frames(
+    repo: Repository,
+    manifest: Manifest,
+    chunks: Iterable[str],
+    workers: int = 2,
+    copy: Path | None = None,
+) -> Generator[tuple[bytes, bytes | memoryview], None, None]:
+    """The frames of ``chunks`` of ``manifest``'s checkpoint in ``repo``, each read back and verified, as
+    (head, plaintext): sent as they are, never joined into one copy.
+
+    ``copy``: a folder holding the checkpoint's files as they were stored (its copy in the hot tier, in
+    RAM). A chunk is read from there where it can be and hashed to its name, and read from ``repo``
+    (from the disk or a bucket, and decrypted) where not: a file gone from there, or bytes that are not
+    the chunk's. ``workers`` chunks are read at once (reading, decrypting and hashing let go of the GIL),
+    in order; at most twice as many wait to be taken.
+    """
     lengths: dict[str, int] = {
         chunk: length for entry in manifest.files for _, length, chunk in entry.extents if chunk
     }
-    for chunk in chunks:
-        if chunk not in lengths:
-            raise StoreError(f"checkpoint {manifest.id} has no chunk {chunk[:16]}…")
-        data = repo.chunk_data(manifest.id, chunk, lengths[chunk])
-        yield _HEAD.pack(bytes.fromhex(chunk), len(data)) + bytes(data)
+    local = _Copy(copy, manifest) if copy is not None else None
+
+    def one(chunk: str) -> tuple[bytes, bytes | memoryview]:
+        length, name = lengths[chunk], bytes.fromhex(chunk)
+        here = local.read(chunk, length) if local is not None else None
+        if here is not None and repo.codec.digest(here) == name:
+            return _HEAD.pack(name, length), here
+        data = repo.chunk_data(manifest.id, chunk, length)
+        return _HEAD.pack(name, len(data)), data
+
+    with contextlib.ExitStack() as stack:
+        if local is not None:
+            stack.callback(local.close)
+        pool = stack.enter_context(ThreadPoolExecutor(max(1, workers), thread_name_prefix="torpor-frames"))
+        ahead: deque[Future[tuple[bytes, bytes | memoryview]]] = deque()
+        try:
+            for chunk in chunks:
+                if chunk not in lengths:
+                    raise StoreError(f"checkpoint {manifest.id} has no chunk {chunk[:16]}…")
+                ahead.append(pool.submit(one, chunk))
+                if len(ahead) > 2 * workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+        finally:
+            for each in ahead:
+                each.cancel()
+
+
+class _Copy:
+    """The files of a checkpoint's copy in ``folder``, each opened once (a copy deleted meanwhile is
+    read all the same), read where ``manifest`` puts each chunk (its first place)."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        self.folder = folder
+        self.where: dict[str, tuple[str, int]] = {}
+        for entry in manifest.files:
+            for offset, _, chunk in entry.extents:
+                if chunk:
+                    self.where.setdefault(chunk, (entry.name, offset))
+        self._files: dict[str, int | None] = {}
+        self._guard = threading.Lock()
+
+    def read(self, chunk: str, length: int) -> bytes | None:
+        """The ``length`` bytes where ``chunk`` lies in the copy; None where the copy has them not."""
+        name, offset = self.where[chunk]
+        fd = self._open(name)
+        if fd is None:
+            return None
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError:
+            return None
+        return data if len(data) == length else None
+
+    def _open(self, name: str) -> int | None:
+        with self._guard:
+            if name not in self._files:
+                try:
+                    self._files[name] = os.open(
+                        self.folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                    )
+                except OSError:
+                    self._files[name] = None
+            return self._files[name]
+
+    def close(self) -> None:
+        with self._guard:
+            for fd in self._files.values():
+                if fd is not None:
+                    os.close(fd)
+            self._files = {}
 
 
 def parse(body: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
