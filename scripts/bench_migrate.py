@@ -13,7 +13,8 @@ second), ``--repeat`` times (default 3), rotating which goes first:
   exec``). The anchor.
 - **torpor**: ``torpor migrate NAME --to node`` of a job of this machine's state directory: a checkpoint
   while it runs, its chunks sent, then the job hibernated and only what changed sent, and the node's
-  agent resumes it.
+  agent resumes it; and the same with ``--lazy`` (the node resumes it before all of its memory is
+  in, fetching the rest as it is touched or in the background).
 
 *Downtime* is the job's own: the workload ticks every 5 ms and prints every gap longer than 20 ms, by the
 wall clock (a restored tree's monotonic clock goes on from its dump: ``scripts/bench_memory.py``); the
@@ -84,18 +85,27 @@ else:
 
 
 @dataclass
+class Runs:
+    """The samples of one way of running ``torpor migrate`` (plain, or ``--lazy``)."""
+
+    down: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    freeze: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    #: each phase of each move, from its progress lines: {phase: [seconds, ...]}
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
 class Case:
     size: int
     rate: float
     hand_down: list[float] = field(default_factory=list)
     hand_total: list[float] = field(default_factory=list)
     hand_bytes: list[int] = field(default_factory=list)
-    torpor_down: list[float] = field(default_factory=list)
-    torpor_total: list[float] = field(default_factory=list)
-    torpor_freeze: list[float] = field(default_factory=list)
-    torpor_bytes: list[int] = field(default_factory=list)
-    #: each phase of each torpor migrate, from its progress lines: {phase: [seconds, ...]}
-    phases: dict[str, list[float]] = field(default_factory=dict)
+    #: plain ``torpor migrate``, and ``--lazy``
+    torpor: Runs = field(default_factory=Runs)
+    lazy: Runs = field(default_factory=Runs)
 
 
 class Node:
@@ -245,23 +255,24 @@ def by_hand(case: Case, criu: Path, node: Node, work: Path) -> None:
         shutil.rmtree(there, ignore_errors=True)
 
 
-def with_torpor(case: Case, here: dict[str, str], node: Node) -> None:
+def with_torpor(case: Case, here: dict[str, str], node: Node, lazy: bool) -> None:
+    runs = case.lazy if lazy else case.torpor
     name = f"m{uuid.uuid4().hex[:6]}"
     _torpor(here, "run", "--name", name, "--", *workload(case.size, case.rate))
     try:
         wait_for(lambda: "ready" in _torpor(here, "logs", name).stdout, f"{name} to be ready", 300, 0.5)
         time.sleep(2)
         began = time.monotonic()
-        moved = json.loads(_timed_migrate(here, name, case))
-        case.torpor_total.append(time.monotonic() - began)
-        case.torpor_bytes.append(int(moved["sent_bytes"]))
+        moved = json.loads(_timed_migrate(here, name, runs, lazy))
+        runs.total.append(time.monotonic() - began)
+        runs.sent.append(int(moved["sent_bytes"]))
         wait_for(
             lambda: len(gaps(_torpor(node.env, "logs", name).stdout)) >= 2, f"{name} to tick there", 60, 0.5
         )
         time.sleep(1)
         felt = gaps(_torpor(node.env, "logs", name).stdout)
-        case.torpor_freeze.append(felt[0])
-        case.torpor_down.append(max(felt))
+        runs.freeze.append(felt[0])
+        runs.down.append(max(felt))
     finally:
         subprocess.run([TORPOR, "rm", "--force", name], env=node.env, capture_output=True, check=False)
         subprocess.run([TORPOR, "rm", "--force", name], env=here, capture_output=True, check=False)
@@ -277,21 +288,22 @@ PHASES = (
 )
 
 
-def _timed_migrate(here: dict[str, str], name: str, case: Case) -> str:
-    """``torpor migrate NAME --to node --json``, timing its phases by its progress lines; its stdout."""
-    command = [TORPOR, "migrate", name, "--to", "node", "--json"]
+def _timed_migrate(here: dict[str, str], name: str, runs: Runs, lazy: bool) -> str:
+    """``torpor migrate NAME --to node --json`` (``--lazy``), timing its phases by its progress lines;
+    its stdout."""
+    command = [TORPOR, "migrate", name, "--to", "node", "--json", *(["--lazy"] if lazy else [])]
     process = subprocess.Popen(command, env=here, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None and process.stdout is not None
     mark = time.monotonic()
     phase = 0
     for line in process.stderr:
         if phase < len(PHASES) - 1 and PHASES[phase][0] in line:
-            case.phases.setdefault(PHASES[phase][1], []).append(time.monotonic() - mark)
+            runs.phases.setdefault(PHASES[phase][1], []).append(time.monotonic() - mark)
             mark, phase = time.monotonic(), phase + 1
     out = process.stdout.read()
     if process.wait() != 0:
         raise RuntimeError(f"torpor migrate failed: {out}")
-    case.phases.setdefault(PHASES[-1][1], []).append(time.monotonic() - mark)
+    runs.phases.setdefault(PHASES[-1][1], []).append(time.monotonic() - mark)
     return out
 
 
@@ -310,20 +322,20 @@ def render(
         "unseen, and the figures before 2026-12-07 left it out); torpor's *freeze* is the first, its "
         "checkpoint while it runs.",
         "",
-        "| job | downtime: torpor | by hand | ratio (goal ≤ 0.1) | torpor's freeze + 0.5 s | "
+        "| job | torpor migrate | downtime: torpor | by hand | ratio (goal ≤ 0.1) | torpor's freeze + 0.5 s | "
         "total: torpor | by hand | size / link (goal: torpor ≤ 1.5×) | sent: torpor | by hand |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
-    for case in cases:
-        down, hand = median(case.torpor_down), median(case.hand_down)
-        freeze, total = median(case.torpor_freeze), median(case.torpor_total)
+    for case, way, runs in _ways(cases):
+        down, hand = median(runs.down), median(case.hand_down)
+        freeze, total = median(runs.freeze), median(runs.total)
         ideal = case.size / bandwidth
         label = f"{case.size / GIB:g} GiB, {case.rate:.0%}/s rewritten"
         lines.append(
-            f"| {label} | {down:.2f} s | {hand:.2f} s | {down / hand:.2f}× | {freeze + FREEZE_MARGIN_S:.2f} s | "
-            f"{total:.1f} s | {median(case.hand_total):.1f} s | {ideal:.1f} s ({total / ideal:.1f}×) | "
-            f"{median([float(b) for b in case.torpor_bytes]) / GIB:.2f} GiB | "
+            f"| {label} | {way} | {down:.2f} s | {hand:.2f} s | {down / hand:.2f}× | "
+            f"{freeze + FREEZE_MARGIN_S:.2f} s | {total:.1f} s | {median(case.hand_total):.1f} s | "
+            f"{ideal:.1f} s ({total / ideal:.1f}×) | {median([float(b) for b in runs.sent]) / GIB:.2f} GiB | "
             f"{median([float(b) for b in case.hand_bytes]) / GIB:.2f} GiB |"
         )
         met = [
@@ -331,31 +343,42 @@ def render(
             f"≤ freeze + 0.5 s ({'met' if down <= freeze + FREEZE_MARGIN_S else 'NOT met'})",
             f"total {total / ideal:.1f}× size/link ({'met' if total <= TOTAL_BAR * ideal else 'NOT met'})",
         ]
-        verdicts.append(f"- {label}: " + "; ".join(met))
+        verdicts.append(f"- {label}, {way}: " + "; ".join(met))
     lines += ["", "Against the goals of issue 30:", "", *verdicts, "", "### Where torpor's time goes", ""]
     lines += [
         "Medians of each phase of `torpor migrate`, from its progress lines (seconds):",
         "",
-        "| job | " + " | ".join(what for _, what in PHASES) + " |",
-        "|---|" + "---|" * len(PHASES),
+        "| job | torpor migrate | " + " | ".join(what for _, what in PHASES) + " |",
+        "|---|---|" + "---|" * len(PHASES),
     ]
-    for case in cases:
+    for case, way, runs in _ways(cases):
         label = f"{case.size / GIB:g} GiB, {case.rate:.0%}/s"
         lines.append(
-            f"| {label} | " + " | ".join(f"{median(case.phases.get(w, [])):.2f}" for _, w in PHASES) + " |"
+            f"| {label} | {way} | "
+            + " | ".join(f"{median(runs.phases.get(w, [])):.2f}" for _, w in PHASES)
+            + " |"
         )
     lines += ["", "### Every sample (seconds)", ""]
     for case in cases:
         label = f"{case.size / GIB:g} GiB, {case.rate:.0%}/s"
-        for what, values in (
-            ("torpor downtime", case.torpor_down),
-            ("torpor freeze", case.torpor_freeze),
-            ("torpor total", case.torpor_total),
-            ("by hand downtime", case.hand_down),
-            ("by hand total", case.hand_total),
-        ):
+        samples = [("by hand downtime", case.hand_down), ("by hand total", case.hand_total)]
+        for _, way, runs in _ways([case]):
+            samples[:0] = [
+                (f"torpor {way} downtime", runs.down),
+                (f"torpor {way} freeze", runs.freeze),
+                (f"torpor {way} total", runs.total),
+            ]
+        for what, values in samples:
             lines.append(f"- {label}, {what}: " + ", ".join(f"{v:.3f}" for v in values))
     return "\n".join([*lines, "", machine_table(described), ""])
+
+
+def _ways(cases: list[Case]) -> Iterator[tuple[Case, str, Runs]]:
+    """Each case with each way torpor moved it that has samples: plain, then ``--lazy``."""
+    for case in cases:
+        for way, runs in (("plain", case.torpor), ("--lazy", case.lazy)):
+            if runs.down:
+                yield case, way, runs
 
 
 def main() -> int:
@@ -363,6 +386,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sizes", default="1,4", help="GiB of memory of the job")
     parser.add_argument("--rates", default="0,0.01", help="fractions of its memory it rewrites a second")
+    parser.add_argument(
+        "--ways", default="plain,lazy", help="how torpor migrates: plain, lazy (--lazy), or both"
+    )
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args()
@@ -388,16 +414,18 @@ def main() -> int:
                 for size in args.sizes.split(",")
                 for rate in args.rates.split(",")
             ]
+            ways = [way.strip() == "lazy" for way in args.ways.split(",") if way.strip()]
             for case in cases:
                 for rep in range(args.repeat):
                     rotate(
                         rep,
                         lambda c=case: by_hand(c, settings.criu, node, work),
-                        lambda c=case: with_torpor(c, here, node),
+                        *(lambda c=case, lazy=lazy: with_torpor(c, here, node, lazy) for lazy in ways),
                     )
                 say(
-                    f"{case.size / GIB:g} GiB, {case.rate:.0%}/s: downtime torpor {case.torpor_down} by hand "
-                    f"{case.hand_down}; total torpor {case.torpor_total} by hand {case.hand_total}"
+                    f"{case.size / GIB:g} GiB, {case.rate:.0%}/s: downtime torpor {case.torpor.down} "
+                    f"--lazy {case.lazy.down} by hand {case.hand_down}; total torpor {case.torpor.total} "
+                    f"--lazy {case.lazy.total} by hand {case.hand_total}"
                 )
             section = render(cases, bandwidth, args.repeat, time.monotonic() - started, machine(criu))
         finally:
