@@ -146,7 +146,7 @@ class PeerLink(Protocol):
 BATCH_BYTES = 32 << 20
 #: at most this many requests of chunks at once
 IN_FLIGHT = 2
-#: at most this many chunks read back (decrypted, verified) at once for sending
+#: at most this many chunks read back and verified at once for sending (:func:`transfer.frames`)
 READERS = 2
 
 

@@ -5,8 +5,9 @@ A chunk is named by a digest keyed with its store's key (objects.py), so the two
 bytes differently, and neither can tell the other's names from the bytes. The receiver keeps, for each
 transfer, what it learnt: the sender's name of each chunk it took, and its own name for it. The sender
 offers its names; the receiver answers those it lacks (:meth:`Receiver.missing`); the sender sends those
-chunks decrypted and verified (:func:`frames`, several at once), and the receiver hashes and encrypts
-each again with its own key as it stores it (:meth:`Receiver.take`). A second checkpoint of the same job — the final one of a
+chunks as plaintext, verified (:func:`frames`: read from the checkpoint's copy in RAM where there is
+one, else from the store and decrypted), and the receiver hashes and encrypts each again with its own
+key as it stores it (:meth:`Receiver.take`). A second checkpoint of the same job — the final one of a
 move, after one taken while the job ran on — sends only the chunks that changed. The manifest goes last,
 its chunks renamed to the receiver's (:meth:`Receiver.write_manifest`), once each is stored there.
 
