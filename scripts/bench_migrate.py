@@ -361,13 +361,12 @@ def render(
     lines += ["", "### Every sample (seconds)", ""]
     for case in cases:
         label = f"{case.size / GIB:g} GiB, {case.rate:.0%}/s"
-        samples = [("by hand downtime", case.hand_down), ("by hand total", case.hand_total)]
-        for _, way, runs in _ways([case]):
-            samples[:0] = [
-                (f"torpor {way} downtime", runs.down),
-                (f"torpor {way} freeze", runs.freeze),
-                (f"torpor {way} total", runs.total),
-            ]
+        samples = [
+            (f"torpor {way} {what}", values)
+            for _, way, runs in _ways([case])
+            for what, values in (("downtime", runs.down), ("freeze", runs.freeze), ("total", runs.total))
+        ]
+        samples += [("by hand downtime", case.hand_down), ("by hand total", case.hand_total)]
         for what, values in samples:
             lines.append(f"- {label}, {what}: " + ", ".join(f"{v:.3f}" for v in values))
     return "\n".join([*lines, "", machine_table(described), ""])
@@ -392,6 +391,11 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args()
+    named = [way.strip() for way in args.ways.split(",") if way.strip()]
+    if not named or set(named) - {"plain", "lazy"}:
+        say(f"--ways: plain, lazy or both, not {args.ways!r}")
+        return 2
+    ways = [way == "lazy" for way in named]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the finally blocks clean up
     if os.geteuid() != 0:
         say("the migration benchmark needs root (CRIU, network namespaces)")
@@ -414,7 +418,6 @@ def main() -> int:
                 for size in args.sizes.split(",")
                 for rate in args.rates.split(",")
             ]
-            ways = [way.strip() == "lazy" for way in args.ways.split(",") if way.strip()]
             for case in cases:
                 for rep in range(args.repeat):
                     rotate(
