@@ -70,7 +70,7 @@ class Arrivals:
         self._refuse_if_taken(job)
         return self.receiver(job).missing(chunks)
 
-    def take(self, job: str, body: bytes) -> int:
+    def take(self, job: str, body: bytes | memoryview) -> int:
         """Store the chunks of ``body``'s frames; how many."""
         self._refuse_if_taken(job)
         learnt = self.receiver(job).take(body)

@@ -6,6 +6,9 @@ bearer token, as every route does.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
@@ -22,6 +25,9 @@ if TYPE_CHECKING:
 
 #: the largest body of chunks (or log) taken in one request
 MAX_BODY = 64 << 20
+
+#: the buffers for bodies of chunks kept between requests (as many as a sender keeps in flight)
+KEPT_BUFFERS = migrate.IN_FLIGHT
 
 
 class LookRequest(BaseModel):
@@ -52,6 +58,7 @@ class AbortRequest(BaseModel):
 
 def add_routes(app: FastAPI, agent: Agent) -> None:
     arrivals = Arrivals(agent.engine)
+    buffers = _Buffers()
 
     @app.post("/v1/arrivals/look")
     def look(body: LookRequest) -> dict[str, Any]:
@@ -68,8 +75,8 @@ def add_routes(app: FastAPI, agent: Agent) -> None:
     @app.post("/v1/arrivals/{job}/chunks")
     async def chunks(job: str, request: Request) -> dict[str, Any]:
         """Chunks of ``job``'s checkpoints, as frames (core/store/transfer.py), stored encrypted here."""
-        body = await _body(request)
-        return {"taken": await run_in_threadpool(arrivals.take, job, body)}
+        async with _body_into(request, buffers) as body:
+            return {"taken": await run_in_threadpool(arrivals.take, job, body)}
 
     @app.put("/v1/arrivals/{job}/log")
     async def log(job: str, request: Request, offset: int = Query(0, ge=0)) -> dict[str, Any]:
@@ -125,3 +132,54 @@ async def _body(request: Request) -> bytes:
             raise UsageError(f"a request body of more than {MAX_BODY >> 20} MiB is refused")
         parts.append(part)
     return b"".join(parts)
+
+
+class _Buffers:
+    """Buffers bodies of chunks are read into, kept for the next (at most :data:`KEPT_BUFFERS`): a body
+    of tens of MiB in new memory each time cost more than reading it (this virtual machine faults in
+    fresh memory slowly), and a body that large is never carved from memory freed before."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def body(self, size: int) -> Iterator[bytearray]:
+        with self._guard:
+            fits = [each for each in self._free if len(each) >= size]
+            buffer = min(fits, key=len) if fits else None
+            if buffer is not None:
+                self._free.remove(buffer)
+        if buffer is None:
+            buffer = bytearray(size)
+        yield buffer
+        # kept only when its use ended well: a request cancelled while a thread still stores from its
+        # buffer must not have that buffer written by the next
+        with self._guard:
+            self._free.append(buffer)
+            self._free.sort(key=len)
+            del self._free[:-KEPT_BUFFERS]  # the largest kept
+
+
+@contextlib.asynccontextmanager
+async def _body_into(request: Request, buffers: _Buffers) -> AsyncIterator[memoryview]:
+    """The body of ``request``, sent with its length (a body without one is read as :func:`_body` reads),
+    as a view of a buffer of ``buffers``: valid inside the ``async with``. UsageError if it is larger
+    than :data:`MAX_BODY`, or not the length it said."""
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        yield memoryview(await _body(request))
+        return
+    size = int(declared)
+    if size > MAX_BODY:
+        raise UsageError(f"a request body of more than {MAX_BODY >> 20} MiB is refused")
+    with buffers.body(size) as buffer:
+        view, at = memoryview(buffer), 0
+        async for part in request.stream():
+            if at + len(part) > size:
+                raise UsageError(f"the request body is longer than its Content-Length ({size} bytes)")
+            view[at : at + len(part)] = part
+            at += len(part)
+        if at != size:
+            raise UsageError(f"the request body is {at} bytes, not its Content-Length ({size})")
+        yield view[:size]

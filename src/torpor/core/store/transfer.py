@@ -160,7 +160,12 @@ class Receiver:
         return sorted({c for c in chunks if self.learnt.get(c) not in stored})
 
     def take(self, body: bytes | memoryview) -> dict[str, str]:
-        """Store the chunks of ``body``'s frames, each under its own name; what was learnt by them."""
+        """Store the chunks of ``body``'s frames, each under its own name; what was learnt by them.
+
+        Written through the backend's cache (a folder's: the page cache), though filling it costs this
+        machine three to four times what the disk takes: the restore that ends the move reads them back
+        from there while the job is stopped. Written around it (tried once, on a 1 GiB job), the move
+        sent its chunks 1.1 s sooner and stopped the job 0.4 s longer."""
         self.repo.open()
         new: dict[str, str] = {}
         with self.repo.lock.hold(SHARED, timeout=600), self.repo.storer() as storer:
