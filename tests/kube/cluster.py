@@ -96,6 +96,10 @@ class Cluster:
         found: dict[str, Any] = self.wait_for(ready, what=f"pod {namespace}/{name} to run")
         return found
 
+    def operator_log(self) -> str:
+        """What the session's operator has said so far."""
+        return (self.folder / "operator.log").read_text(errors="replace")
+
     def logs(self, namespace: str, pod: str) -> str:
         return self.kubectl("logs", "-n", namespace, pod, check=False)
 

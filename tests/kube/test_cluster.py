@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import JOBS, S3_ENV, moto_server
+from conftest import JOBS, S3_ENV, TORPOR, moto_server
 
 from .cluster import NODE_HOST, ROOT, Cluster, counter_deployment, counter_statefulset
 
@@ -201,15 +200,33 @@ def test_a_drained_pod_with_an_s3_cold_tier_continues_on_the_other_node_from_its
             # the credentials are under torpor's own names, which the supervisor keeps from the job
             main = second["spec"]["containers"][0]
             assert "AWS_ACCESS_KEY_ID" not in {e["name"] for e in main["env"]}
-            # clean up while the bucket is there (the pod hibernates into it as it goes), and the
-            # identity's folder by hand: the operator has neither the namespace's credentials nor its
-            # key, so its clean-up of an S3 slot would fail, and try again at every pass
+            # the StatefulSet deleted, its pod hibernates into the bucket as it goes; the session's
+            # operator, without the webhook's settings, leaves the identity whole, saying why
             cluster.kubectl("delete", "statefulset", "-n", namespace, "counter", "--wait=true")
             cluster.wait_for(
                 lambda: not cluster.get("pods", "-n", namespace, "--ignore-not-found").get("items"),
                 what="the pod to be gone",
             )
-            shutil.rmtree(cluster.store / namespace / "counter-0", ignore_errors=True)
+            identity = f"{namespace}/counter-0"
+            cluster.wait_for(
+                lambda: f"{identity}: slot-0 of {identity} has its images in S3" in cluster.operator_log(),
+                what="the session's operator to leave the S3 identity",
+            )
+            assert (cluster.store / identity).is_dir()
+            assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents")
+            # given them, an operator empties the slot's prefix with the namespace's Secret, then the rest
+            once = [TORPOR, "operator", "--once", "--store", str(cluster.store), "--kubeconfig",
+                    cluster.env["KUBECONFIG"], "--config", str(cluster.folder / f"torpor-test-{namespace}/webhook.json")]  # fmt: skip
+            plain = {
+                k: v
+                for k, v in cluster.env.items()
+                if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+            }
+            region = {k: S3_ENV[k] for k in ("AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")}
+            ran = subprocess.run(once, capture_output=True, text=True, timeout=120, env={**plain, **region})
+            assert f"{identity}: its StatefulSet counter is gone: removed" in ran.stdout + ran.stderr, ran
+            assert not s3.list_objects_v2(Bucket=bucket).get("Contents")  # nothing of it left in the bucket
+            assert not (cluster.store / identity).exists()
             cluster.wait_for(
                 lambda: (
                     not cluster.get("torporidentities", "-n", namespace, "--ignore-not-found").get("items")

@@ -19,6 +19,7 @@ from torpor.policy.pod import (
     on_start,
     orphaned,
     resource_name,
+    s3_clean_up,
     slot_cold_tier,
     slot_name,
 )
@@ -191,3 +192,26 @@ def test_checkpoints_of_an_earlier_namespace_of_the_same_name_are_told_apart_whe
     assert orphaned(bare, True, namespace_exists=True, namespace_remade=True)
     assert not orphaned(bare, True, namespace_exists=True)
     assert orphaned(Owner("StatefulSet", "web"), True, namespace_exists=True, namespace_remade=True)
+
+
+def test_the_operator_deletes_only_the_prefix_and_endpoint_the_webhook_gives_the_slot() -> None:
+    base, at = "s3://ckpt/torpor", "http://minio:9000"
+    ours = "s3://ckpt/torpor/team-a/web-0/slot-1"
+    assert s3_clean_up(ours, at, base, at, "team-a/web-0", 1) is None
+    assert s3_clean_up(ours + "/", at, base, at, "team-a/web-0", 1) is None
+    assert s3_clean_up("s3://ckpt/team-a/web-0/slot-1", None, "s3://ckpt", None, "team-a/web-0", 1) is None
+    refused = {
+        "no s3_url": s3_clean_up(ours, at, None, at, "team-a/web-0", 1),
+        "another slot's": s3_clean_up(ours, at, base, at, "team-a/web-0", 0),
+        "another namespace's": s3_clean_up(
+            "s3://ckpt/torpor/team-b/web-0/slot-1", at, base, at, "team-a/web-0", 1
+        ),
+        "the whole bucket": s3_clean_up("s3://ckpt", at, base, at, "team-a/web-0", 1),
+        "above its prefix": s3_clean_up("s3://ckpt/torpor/team-a", at, base, at, "team-a/web-0", 1),
+        "another server": s3_clean_up(ours, "http://evil:9000", base, at, "team-a/web-0", 1),
+        "AWS instead": s3_clean_up(ours, None, base, at, "team-a/web-0", 1),
+        "a bad identity": s3_clean_up(ours, at, base, at, "team-a/../b", 1),
+    }
+    assert all(refused.values()), refused
+    assert "no s3_url" in str(refused["no s3_url"]) and "not at its prefix" in str(refused["another slot's"])
+    assert "endpoint http://evil:9000" in str(refused["another server"])

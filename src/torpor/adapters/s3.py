@@ -27,7 +27,15 @@ class S3Backend:
 
     remote = True
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, workers: int = 8) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str | None = None,
+        workers: int = 8,
+        credentials: tuple[str, str] | None = None,
+    ) -> None:
+        """``credentials``: (access key id, secret access key) instead of boto3's usual chain."""
         if not bucket:
             raise StoreError("an S3 store URL needs a bucket: s3://BUCKET[/PREFIX]")
         self.bucket = bucket
@@ -40,7 +48,12 @@ class S3Backend:
             read_timeout=60,
         )
         try:
-            self.client: Any = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            keys: dict[str, str] = {}
+            if credentials is not None:
+                keys = {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+            self.client: Any = boto3.session.Session(**keys).client(
+                "s3", endpoint_url=endpoint, config=config
+            )
         except (botocore.exceptions.BotoCoreError, ValueError) as exc:
             raise StoreError(f"cannot set up S3 access to {self.url}: {exc}") from exc
 
@@ -148,6 +161,34 @@ class S3Backend:
 
     def sync(self) -> None:
         return None
+
+    def purge(self) -> int:
+        """Delete every object under this backend's prefix (never a whole bucket: StoreError without
+        one); how many were deleted."""
+        if not self.prefix:
+            raise StoreError(f"{self.url} has no prefix: torpor never empties a whole bucket")
+        deleted = 0
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix
+            )
+            for page in pages:
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if not keys:
+                    continue
+                answer = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
+                )
+                if answer.get("Errors"):
+                    first = answer["Errors"][0]
+                    raise StoreError(
+                        f"S3 deleting {first.get('Key')} failed at {self.url}: {first.get('Code')} "
+                        f"{first.get('Message', '')}".rstrip()
+                    )
+                deleted += len(keys)
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            raise self._error(exc, "emptying its prefix") from exc
+        return deleted
 
     def remove_leftovers(self, min_age_s: float = 3600.0, idle: Collection[str] = ()) -> int:
         """Nothing to remove: a PUT that did not complete leaves no object behind."""

@@ -10,7 +10,9 @@ A reconcile loop over the store (the volume the pods share, mounted here too) ev
 - an identity whose controller (the StatefulSet, ReplicaSet or Job its pods had) or whose namespace
   no longer exists, or whose namespace was made again since (its UID differs from the one its pods
   recorded), has its checkpoints and folder deleted (each slot taken first: a pod still
-  hibernating is waited for), then its resource (``torpor.policy.pod.orphaned``);
+  hibernating is waited for), then its resource (``torpor.policy.pod.orphaned``); with the webhook's
+  settings (``--config``) and an S3 cold tier, each slot's prefix in the bucket is emptied too
+  (:class:`S3Purge`);
 - a resource whose identity is no longer in the store is deleted;
 - ``torpor.dev/hibernate: "true"`` keeps a pod hibernated until it goes (:mod:`torpor.apps.kubehold`).
 
@@ -21,16 +23,21 @@ reconcile loop rather than a watch: an owner deleted while the operator was down
 from __future__ import annotations
 
 import argparse
+import base64
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from torpor.adapters import kubeapi
+from torpor.adapters.s3 import S3Backend
 from torpor.apps import kubehold
 from torpor.apps.agent.commands import seconds
-from torpor.core import podstore
+from torpor.apps.webhook import load_config
+from torpor.core import admission, podstore
+from torpor.core.store.config import StoreConfig
 from torpor.errors import TorporError, UsageError
 from torpor.policy import pod as pod_policy
 from torpor.settings import Settings
@@ -61,6 +68,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--store", required=True, help="the store folder the pods share (all namespaces)")
     p.add_argument("--kubeconfig", help="a kubeconfig (default: the in-cluster service account)")
+    p.add_argument(
+        "--config",
+        help="the webhook's settings (webhook.json): with s3_url, an identity's images in S3 are deleted too, "
+        "with the credentials of the Secret s3_secret in its namespace",
+    )
     p.add_argument("--interval", type=seconds, default=10.0, metavar="DURATION", help="default 10s")
     p.add_argument("--once", action="store_true", help="reconcile once and exit")
     p.set_defaults(func=cmd_operator, needs_settings=True)
@@ -107,11 +119,61 @@ def status_of(slots: list[podstore.SlotState]) -> dict[str, Any]:
     return status
 
 
+class S3Purge:
+    """Empties the S3 prefix of a slot of a removed identity (:data:`torpor.core.podstore.PurgeS3`): the
+    prefix and endpoint the webhook's settings give it (``torpor.policy.pod.s3_clean_up``), with the
+    credentials of the Secret ``s3_secret`` in the identity's namespace (without one, boto3's chain)."""
+
+    def __init__(self, api: kubeapi.KubeAPI, config: admission.WebhookConfig) -> None:
+        self.api = api
+        self.config = config
+
+    def __call__(self, identity: str, n: int, slot: StoreConfig) -> int:
+        url = slot.url or ""
+        why = pod_policy.s3_clean_up(
+            url, slot.s3_endpoint, self.config.s3_url, self.config.s3_endpoint, identity, n
+        )
+        if why is not None:
+            raise TorporError(f"{pod_policy.slot_name(n)} of {identity} is not removed: {why}")
+        parts = urlsplit(url)
+        backend = S3Backend(
+            parts.netloc, parts.path.strip("/"), self.config.s3_endpoint, 2, self._credentials(identity)
+        )
+        try:
+            return backend.purge()
+        finally:
+            backend.close()
+
+    def _credentials(self, identity: str) -> tuple[str, str] | None:
+        name = self.config.s3_secret
+        if name is None:
+            return None
+        namespace = identity.split("/")[0]
+        secret = self.api.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        if secret is None:
+            raise TorporError(f"the Secret {namespace}/{name} with the S3 credentials is gone")
+        data = secret.get("data") or {}
+        try:
+            return (
+                base64.b64decode(data[admission.S3_SECRET_KEYS["TORPOR_S3_ACCESS_KEY_ID"]]).decode(),
+                base64.b64decode(data[admission.S3_SECRET_KEYS["TORPOR_S3_SECRET_ACCESS_KEY"]]).decode(),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise TorporError(f"the Secret {namespace}/{name} lacks the S3 credentials") from None
+
+
 class Operator:
-    def __init__(self, store: Path, settings: Settings, api: kubeapi.KubeAPI) -> None:
+    def __init__(
+        self,
+        store: Path,
+        settings: Settings,
+        api: kubeapi.KubeAPI,
+        config: admission.WebhookConfig | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.api = api
+        self.purge_s3 = S3Purge(api, config) if config is not None and config.s3_url else None
         self.holder = kubehold.Holder(api, store / ".operator" / "hibernated", _say)
 
     def _path(self, namespace: str, name: str = "") -> str:
@@ -147,7 +209,7 @@ class Operator:
         if pod_policy.orphaned(owner, exists, namespace_exists, remade) and not any(
             slot.held for slot in slots
         ):
-            deleted = podstore.remove_identity(self.store, identity, self.settings)
+            deleted = podstore.remove_identity(self.store, identity, self.settings, purge_s3=self.purge_s3)
             if remade:
                 gone = f"the namespace {namespace} it was of (made again since)"
             elif namespace_exists and owner is not None:
@@ -189,7 +251,7 @@ def cmd_operator(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if api is None:
         raise UsageError("not in a pod (no service account token): give --kubeconfig")
-    operator = Operator(store, settings, api)
+    operator = Operator(store, settings, api, load_config(args.config) if args.config else None)
     _say(f"reconciling {store} every {args.interval:g} s")
     while True:
         try:

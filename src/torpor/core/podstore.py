@@ -9,6 +9,7 @@ import fcntl
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from torpor.core.engine import Engine
 from torpor.core.pod import end_processes, identity_dir, read_json
 from torpor.core.records import Records
 from torpor.core.recordtypes import Checkpoint, Job
+from torpor.core.store import config as store_config
+from torpor.core.store.config import StoreConfig
 from torpor.errors import TorporError
 from torpor.settings import Settings
 
@@ -79,13 +82,34 @@ def _held(lock: Path) -> bool:
         os.close(fd)
 
 
-def remove_identity(store: Path, identity: str, settings: Settings, wait_s: float = 300) -> list[str]:
+#: empties the S3 prefix of slot N of an identity whose store configuration is this: how many objects
+#: went; TorporError, saying why, where it may not or cannot (the operator's: it has the credentials)
+PurgeS3 = Callable[[str, int, StoreConfig], int]
+
+
+def remove_identity(
+    store: Path, identity: str, settings: Settings, wait_s: float = 300, purge_s3: PurgeS3 | None = None
+) -> list[str]:
     """Delete an identity of the whole volume ``store``: every slot's job and checkpoints, then its
     folder; returns the checkpoint ids deleted. Each slot is taken first (a pod still hibernating into
-    it is waited for, ``wait_s`` at most: ``TorporError`` if it does not let go)."""
+    it is waited for, ``wait_s`` at most: ``TorporError`` if it does not let go).
+
+    A slot whose images are in S3 has its prefix emptied by ``purge_s3`` (its checkpoints' chunks and
+    manifests, without the namespace's key), before any slot's images on the volume go: without a
+    purge nothing is deleted, and where one fails the slots on the volume are still whole. Either way
+    the caller tries again at its next pass."""
     folder = identity_dir(store / identity.split("/")[0], identity)
-    deleted: list[str] = []
+    in_s3 = {}
     for lock in sorted(folder.glob("slot-*.lock")):
+        config = store_config.load(folder / lock.stem)
+        if config is not None and config.cold_url(folder / lock.stem).startswith("s3://"):
+            if purge_s3 is None:
+                raise TorporError(
+                    f"{lock.stem} of {identity} has its images in S3 ({config.url}): not removed"
+                )
+            in_s3[lock.stem] = config
+    deleted: list[str] = []
+    for lock in sorted(folder.glob("slot-*.lock"), key=lambda each: (each.stem not in in_s3, each.name)):
         fd = private.open_private(lock, os.O_RDWR)
         try:
             deadline = time.monotonic() + wait_s
@@ -103,7 +127,12 @@ def remove_identity(store: Path, identity: str, settings: Settings, wait_s: floa
                 previous = read_json(folder / f"{lock.stem}.json")
                 for job in engine.records.jobs():
                     end_processes(engine, job.name, previous, lambda _text: None)
-                    deleted += engine.remove(job.name)
+                    if lock.stem in in_s3:
+                        deleted += [each.id for each in engine.records.checkpoints(job.name)]
+                    else:
+                        deleted += engine.remove(job.name)
+            if lock.stem in in_s3 and purge_s3 is not None:
+                purge_s3(identity, int(lock.stem.removeprefix("slot-")), in_s3[lock.stem])
         finally:
             os.close(fd)
     shutil.rmtree(folder, ignore_errors=True)

@@ -12,7 +12,7 @@
 * :func:`resource_name`, :func:`orphaned` — the operator's: the name of an identity's resource, and
   whether its checkpoints go because the controller whose pods it was is gone.
 * :func:`slot_cold_tier` — where a slot's checkpoint images go in a shared S3 cold tier: a prefix of
-  its own, under its namespace's.
+  its own, under its namespace's; :func:`s3_clean_up` — whether the operator may delete that prefix.
 
 The supervisor (``torpor.core.pod``) reads records and signals and acts on these answers; the admission
 webhook (``torpor.core.admission``) computes the identity once, when the pod is created.
@@ -245,6 +245,31 @@ def orphaned(
     pods it was is. A bare pod's (no owner) or one named by annotation otherwise stays until it is
     removed by hand: the same pod may be created again."""
     return not namespace_exists or namespace_remade or (owner is not None and not owner_exists)
+
+
+def s3_clean_up(
+    recorded_url: str,
+    recorded_endpoint: str | None,
+    base: str | None,
+    endpoint: str | None,
+    identity: str,
+    n: int,
+) -> str | None:
+    """Why the operator may not delete the S3 prefix slot ``n`` of ``identity`` stored its images under
+    (``recorded_url``, at ``recorded_endpoint``), or None: it may. Only the prefix the webhook's settings
+    (``base``, ``endpoint``) give that slot (:func:`slot_cold_tier`), and only at that endpoint: what a
+    slot's own files say is not trusted to name what gets deleted, nor a server the operator calls."""
+    if base is None:
+        return f"its images are in S3 ({recorded_url}) and the operator was given no s3_url (--config)"
+    try:
+        expected = slot_cold_tier(base, identity, n)
+    except ValueError as exc:
+        return str(exc)
+    if recorded_url.rstrip("/") != expected:
+        return f"its images are at {recorded_url}, not at its prefix of {base} ({expected})"
+    if (recorded_endpoint or None) != (endpoint or None):
+        return f"its images are at the endpoint {recorded_endpoint or 'of AWS'}, not at {endpoint or 'AWS'}"
+    return None
 
 
 def remade_namespace(recorded: str | None, current: str | None) -> bool:
