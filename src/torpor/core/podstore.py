@@ -99,8 +99,9 @@ def remove_identity(
     purge nothing is deleted, and where one fails the slots on the volume are still whole. Either way
     the caller tries again at its next pass."""
     folder = identity_dir(store / identity.split("/")[0], identity)
+    locks = sorted(folder.glob("slot-*.lock"))
     in_s3 = {}
-    for lock in sorted(folder.glob("slot-*.lock")):
+    for lock in locks:
         config = store_config.load(folder / lock.stem)
         if config is not None and config.cold_url(folder / lock.stem).startswith("s3://"):
             if purge_s3 is None:
@@ -109,7 +110,7 @@ def remove_identity(
                 )
             in_s3[lock.stem] = config
     deleted: list[str] = []
-    for lock in sorted(folder.glob("slot-*.lock"), key=lambda each: (each.stem not in in_s3, each.name)):
+    for lock in sorted(locks, key=lambda each: each.stem not in in_s3):  # stable: by name within each
         fd = private.open_private(lock, os.O_RDWR)
         try:
             deadline = time.monotonic() + wait_s

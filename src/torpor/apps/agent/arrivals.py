@@ -128,10 +128,14 @@ async def _body(request: Request) -> bytes:
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
-        if size > MAX_BODY:
-            raise UsageError(f"a request body of more than {MAX_BODY >> 20} MiB is refused")
+        _refuse_larger(size)
         parts.append(part)
     return b"".join(parts)
+
+
+def _refuse_larger(size: int) -> None:
+    if size > MAX_BODY:
+        raise UsageError(f"a request body of more than {MAX_BODY >> 20} MiB is refused")
 
 
 class _Buffers:
@@ -171,8 +175,7 @@ async def _body_into(request: Request, buffers: _Buffers) -> AsyncIterator[memor
         yield memoryview(await _body(request))
         return
     size = int(declared)
-    if size > MAX_BODY:
-        raise UsageError(f"a request body of more than {MAX_BODY >> 20} MiB is refused")
+    _refuse_larger(size)
     with buffers.body(size) as buffer:
         view, at = memoryview(buffer), 0
         async for part in request.stream():
